@@ -1,0 +1,1 @@
+"""Synthetic, offline DataModules for the recipes (no downloads)."""

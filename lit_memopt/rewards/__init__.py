@@ -1,0 +1,1 @@
+"""Reward functions and the sandbox that executes generated code."""
