@@ -1,0 +1,16 @@
+"""Model and tokenizer construction from configs (no downloads), plus the pack's own architectures."""
+
+from __future__ import annotations
+
+from lit_memopt._lazy import lazy_exports
+
+_EXPORTS = {
+    "ModelConfig": ".hf",
+    "build_tokenizer": ".hf",
+    "resolve_dtype": ".hf",
+    "lm_head_weight": ".hf",
+    "decoder_of": ".hf",
+    "decoder_hidden_states": ".hf",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,164 @@
+"""Build transformers causal LMs from architecture configs or local checkpoints, offline."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _plain(value: Any) -> Any:
+    """Hydra hands over ``DictConfig``/``ListConfig``; transformers and peft want plain containers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - hydra is a dependency
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a config string (``float32``, ``bfloat16``, ``float16``) to a ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
+    return _DTYPES[dtype]
+
+
+def _require_local_path(path: str, key: str) -> str:
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{key}={path!r} does not exist. Give a local directory holding the files "
+            f"(this pack never downloads from a hub), or set {key}=null for the built-in default."
+        )
+    return path
+
+
+def build_tokenizer(path: str | None = None):
+    """The byte-level ByT5 tokenizer (no files needed) or, with ``path``, a local tokenizer."""
+    from transformers import AutoTokenizer, ByT5Tokenizer
+
+    if path is None:
+        return ByT5Tokenizer()
+    return AutoTokenizer.from_pretrained(_require_local_path(path, "model.tokenizer"))
+
+
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The ``[V, H]`` output-embedding weight of a transformers causal LM (LoRA-wrapped or not)."""
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__} has no output embedding with a weight; cannot use the fused head ops.")
+    return head.weight
+
+
+@dataclass
+class ModelConfig:
+    """What to build: an architecture (a transformers config as a dict) or a local checkpoint.
+
+    Instantiating it is cheap (no weights); ``build_model`` creates the network.
+
+    Args:
+        name: short name used in logs and run directories.
+        arch: keyword arguments of the transformers config, including ``model_type``
+            (``qwen3``, ``qwen2``, ``llama``, ...). Ignored for the weights when ``pretrained`` is set.
+        pretrained: local directory for ``from_pretrained``; ``None`` builds from ``arch`` with random init.
+        tokenizer: local tokenizer directory; ``None`` uses the byte-level tokenizer.
+        dtype: parameter dtype, ``float32`` or ``bfloat16`` (``float16`` also accepted).
+        lora: ``None`` for full fine-tuning, or a dict with ``r``, ``alpha``, ``dropout``, ``target_modules``.
+        attn_implementation: transformers attention backend (``sdpa`` by default, ``eager`` for debugging).
+    """
+
+    name: str = "model"
+    arch: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    lora: dict[str, Any] | None = None
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        self.arch = dict(_plain(self.arch) or {})
+        self.lora = dict(_plain(self.lora)) if self.lora else None
+        resolve_dtype(self.dtype)
+        if self.pretrained is None and "model_type" not in self.arch:
+            raise ValueError(
+                f"model {self.name!r}: set model.arch.model_type (e.g. qwen3) or model.pretrained=/local/path."
+            )
+        if self.lora is not None:
+            unknown = set(self.lora) - {"r", "alpha", "dropout", "target_modules"}
+            if unknown:
+                raise ValueError(f"model.lora has unknown keys {sorted(unknown)}; use r, alpha, dropout, target_modules.")
+            if int(self.lora.get("r", 0)) <= 0:
+                raise ValueError(f"model.lora.r must be a positive integer, got {self.lora.get('r')!r}.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    def hf_config(self):
+        """The transformers config, from ``pretrained`` when given, else from ``arch``."""
+        from transformers import AutoConfig
+
+        if self.pretrained is not None:
+            return AutoConfig.from_pretrained(_require_local_path(self.pretrained, "model.pretrained"))
+        arch = dict(self.arch)
+        model_type = arch.pop("model_type")
+        return AutoConfig.for_model(model_type, **arch)
+
+    def build_model(self, *, apply_lora: bool = True) -> torch.nn.Module:
+        """A causal LM with weights (random from ``arch``, or loaded from ``pretrained``), LoRA applied if set."""
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"dtype": self.torch_dtype, "attn_implementation": self.attn_implementation}
+        if self.pretrained is not None:
+            model = AutoModelForCausalLM.from_pretrained(_require_local_path(self.pretrained, "model.pretrained"), **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_config(self.hf_config(), **kwargs)
+        if self.lora is not None and apply_lora:
+            model = self.apply_lora(model)
+        return model
+
+    def apply_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap ``model`` with peft LoRA adapters; only adapter weights stay trainable."""
+        from peft import LoraConfig, get_peft_model
+
+        assert self.lora is not None
+        config = LoraConfig(
+            r=int(self.lora.get("r", 16)),
+            lora_alpha=int(self.lora.get("alpha", 32)),
+            lora_dropout=float(self.lora.get("dropout", 0.0)),
+            target_modules=list(self.lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"])),
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, config)
+
+    def build_tokenizer(self):
+        return build_tokenizer(self.tokenizer)
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformer body (embeddings + layers + final norm) of a causal LM, peft-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
+    if decoder is None:
+        raise ValueError(f"cannot find the decoder of {type(base).__name__}; expected a transformers *ForCausalLM model.")
+    return decoder
+
+
+def decoder_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """Final hidden states ``[B, T, H]`` of a causal LM, without running its LM head.
+
+    Feed them with ``lm_head_weight(model)`` to the ``lit_memopt.ops`` head ops; the ``[B, T, V]``
+    logits are never built. Keyword arguments (``attention_mask``, ``inputs_embeds``,
+    ``position_ids``, ``past_key_values``, ``use_cache``) go to the decoder.
+    """
+    kwargs.setdefault("use_cache", False)
+    out = decoder_of(model)(input_ids=input_ids, **kwargs)
+    return out.last_hidden_state
