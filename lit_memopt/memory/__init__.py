@@ -11,6 +11,9 @@ _EXPORTS = {
     "is_oom_error": ".oom",
     "memory_budget": ".budget",
     "estimate_peak": ".estimate",
+    "fake_mode": ".fake",
+    "peak_during": ".fake",
+    "PeakStats": ".fake",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,111 @@
+"""Peak-memory measurement of any computation under fake tensors: real shapes, no memory, no GPU.
+
+``fake_mode()`` makes every tensor created inside it a ``FakeTensor``; ``peak_during(fn)`` runs ``fn`` under PyTorch's ``MemTracker`` and reports the
+peak of live tensor bytes, what was already live when it started, and the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+GIB = 1024**3
+
+
+@contextlib.contextmanager
+def fake_mode(*, allow_non_fake_inputs: bool = False) -> Iterator[FakeTensorMode]:
+    """Enter ``FakeTensorMode``: tensors and modules built inside have shapes and dtypes but no storage.
+
+    Build fake tensors on the CPU device: byte counts do not depend on the device, and on a
+    CPU-only PyTorch build autograd aborts the process on fake CUDA tensors.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
+    with mode:
+        yield mode
+
+
+@dataclass
+class PeakStats:
+    """Live-tensor bytes seen while a function ran, summed over devices.
+
+    Attributes:
+        peak_bytes: highest total of live tensor bytes during the call.
+        baseline_bytes: bytes already live at the start (the ``track`` arguments: modules,
+            optimizers, tensors).
+        extra_bytes: ``peak_bytes - baseline_bytes``: what the call itself needed on top.
+        by_category: the peak split by MemTracker's categories (Parameter, Gradient, Activation,
+            Temp, Optstate, Buffer, Other), as they stood at each category's own peak.
+        result: what ``fn`` returned.
+    """
+
+    peak_bytes: int
+    baseline_bytes: int
+    extra_bytes: int
+    by_category: dict[str, int] = field(default_factory=dict)
+    result: Any = None
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def extra_gib(self) -> float:
+        return self.extra_bytes / GIB
+
+
+def _total(snapshot: dict[torch.device, dict[Any, int]]) -> int:
+    return sum(int(per_device.get("Total", 0)) for per_device in snapshot.values())
+
+
+def _categories(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            name = str(getattr(key, "value", key))
+            if name != "Total":
+                out[name] = out.get(name, 0) + int(value)
+    return out
+
+
+def peak_during(
+    fn: Callable[[], Any],
+    *track: torch.nn.Module | torch.optim.Optimizer | torch.Tensor,
+) -> PeakStats:
+    """Run ``fn()`` and measure the peak of live tensor bytes (fake or real tensors).
+
+    Tensors created before the call are invisible to the tracker unless passed in ``track``:
+    pass the model(s), optimizer(s) and input tensors that should count as already live, so that
+    ``baseline_bytes`` holds them and ``extra_bytes`` is what ``fn`` adds. Keep references to
+    ``fn``'s outputs out of the closure's scope if they should be freed inside it.
+
+    Example::
+
+        with fake_mode():
+            hidden = torch.randn(8192, 2560, dtype=torch.bfloat16, requires_grad=True)
+            weight = torch.randn(151936, 2560, dtype=torch.bfloat16, requires_grad=True)
+            targets = torch.randint(0, 151936, (8192,))
+            stats = peak_during(lambda: linear_logprobs(hidden, weight, targets).sum().backward(),
+                                hidden, weight)
+        print(stats.extra_gib)
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    if track:
+        tracker.track_external(*track)
+    with tracker:
+        baseline = _total(tracker.get_tracker_snapshot("current"))
+        result = fn()
+        peak_snapshot = tracker.get_tracker_snapshot("peak")
+    peak = max(_total(peak_snapshot), baseline)
+    return PeakStats(
+        peak_bytes=peak,
+        baseline_bytes=baseline,
+        extra_bytes=peak - baseline,
+        by_category=_categories(peak_snapshot),
+        result=result,
+    )
