@@ -1,0 +1,340 @@
+"""The ``lit-memopt`` command: ``fit`` and ``validate`` a recipe, ``estimate`` its memory, run the benchmarks.
+
+Hydra does the composition (``conf/`` groups + ``recipes/<name>.yaml`` selected by ``recipe=<name>``),
+so ``--cfg job``, ``-m`` sweeps and Hydra's run directories work as usual. Bad overrides are
+caught before anything is built and reported in one line that lists the valid choices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import lit_memopt
+
+PROG = "lit-memopt"
+HYDRA_COMMANDS = ("fit", "validate", "estimate")
+COMMAND_HELP = {
+    "fit": "train a recipe:            lit-memopt fit recipe=sft [overrides]",
+    "validate": "validate from a checkpoint: lit-memopt validate recipe=sft ckpt_path=/path/last.ckpt",
+    "estimate": "predict peak memory:       lit-memopt estimate recipe=grade model=qwen3_4b [gpu_memory=80GiB]",
+    "benchmark": "run the benchmarks:        lit-memopt benchmark [--quick]",
+}
+# Hydra's own command-line flags: passed through untouched, never validated as overrides.
+_HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+_HYDRA_FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help", "--version", "--run", "-r", "--shell-completion", "-sc"}
+
+
+class UsageError(Exception):
+    """A user mistake on the command line or in the config; printed as one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- locations
+def config_root() -> Path:
+    """The folder holding ``conf/`` and ``recipes/``: inside the wheel, or the repository root."""
+    packaged = Path(__file__).resolve().parent / "_configs"
+    if (packaged / "conf").is_dir():
+        return packaged
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "conf").is_dir():
+        return repo
+    raise UsageError(f"cannot find the conf/ folder (looked in {packaged} and {repo}); reinstall lit-memopt.")
+
+
+def conf_dir() -> Path:
+    return config_root() / "conf"
+
+
+def recipes_dir() -> Path:
+    return config_root() / "recipes"
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def list_groups() -> dict[str, list[str]]:
+    """Config groups (sub-folders of ``conf/``) and their options, plus the ``recipe`` group."""
+    groups = {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(conf_dir().iterdir())
+        if d.is_dir() and not d.name.startswith((".", "_"))
+    }
+    groups["recipe"] = list_recipes()
+    return groups
+
+
+def register_recipes() -> None:
+    """Put every ``recipes/*.yaml`` into Hydra's ConfigStore as the ``recipe`` group (global package)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    store = ConfigStore.instance()
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+# ----------------------------------------------------------------------------- help
+def format_help() -> str:
+    lines = [
+        f"{PROG} {lit_memopt.__version__}: keep LLM training inside GPU memory (Lightning + Hydra).",
+        "",
+        "Commands:",
+        *(f"  {name:<10} {text}" for name, text in COMMAND_HELP.items()),
+        "",
+        f"Recipes (recipe=NAME): {', '.join(list_recipes())}",
+        "",
+        "Config groups (GROUP=OPTION):",
+    ]
+    for group, options in list_groups().items():
+        if group != "recipe":
+            lines.append(f"  {group:<10} {', '.join(options)}")
+    lines += [
+        "",
+        "Any key can be overridden (trainer.max_steps=50, module.lr=3e-4); Hydra flags work too:",
+        "  --cfg job (print the composed config), -m (sweep: module.lr=1e-3,3e-4), hydra.run.dir=DIR.",
+        f"Examples:\n  {PROG} fit recipe=sft\n  {PROG} fit recipe=grade trainer=gpu model=qwen3_4b model.pretrained=/ckpt/qwen3-4b",
+        f"  {PROG} fit recipe=ttt trainer=ddp trainer.devices=2",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- validation
+def _split_hydra_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Separate Hydra's own flags from ``key=value`` overrides."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    it = iter(args)
+    for arg in it:
+        if arg in _HYDRA_FLAGS_WITH_VALUE:
+            flags.append(arg)
+            value = next(it, None)
+            if value is not None:
+                flags.append(value)
+        elif arg in _HYDRA_FLAGS or arg.startswith("--"):
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def _closest(name: str, choices: Sequence[str]) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Fail with one clear line on an unknown recipe, group option or key, before anything runs."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    groups = list_groups()
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as exc:
+        raise UsageError(f"cannot parse the overrides: {str(exc).splitlines()[0]}") from None
+    plain: list[str] = []
+    for override in parsed:
+        key = override.key_or_group
+        if key.startswith("hydra.") or key == "hydra":
+            continue
+        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        if key in groups and not override.is_delete():
+            for value in values:
+                if value is not None and str(value) not in groups[key]:
+                    raise UsageError(
+                        f"unknown {key} {str(value)!r}{_closest(str(value), groups[key])}; "
+                        f"choose one of: {', '.join(groups[key])}"
+                    )
+        first = values[0] if values else None
+        prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(override.type.name, "")
+        if override.is_delete():
+            plain.append(f"~{key}" if first is None else f"~{key}={first}")
+        else:
+            text = override.input_line if not override.is_sweep_override() else f"{prefix}{key}={first}"
+            plain.append(text)
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            compose(config_name="config", overrides=plain)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UsageError(_explain_compose_error(exc, plain)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _explain_compose_error(exc: Exception, overrides: Sequence[str]) -> str:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    message = str(exc)
+    match = re.search(r"Could not override '([^']+)'", message) or re.search(r"Key '([^']+)' is not in struct", message)
+    if match:
+        full_key = match.group(1)
+        parent, _, leaf = full_key.rpartition(".")
+        # list the keys that do exist at the parent level, from the config without the bad override
+        good = [o for o in overrides if not o.lstrip("+~").startswith(full_key)]
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+                cfg = compose(config_name="config", overrides=good)
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            keys = sorted(str(k) for k in node.keys()) if node is not None and hasattr(node, "keys") else []
+        except Exception:  # noqa: BLE001 - the listing is a courtesy; the first error is what matters
+            keys = []
+        finally:
+            GlobalHydra.instance().clear()
+        where = f"under '{parent}'" if parent else "at the top level"
+        hint = f"; keys {where}: {', '.join(keys)}" if keys else ""
+        return f"unknown key '{full_key}'{_closest(leaf, keys)}{hint} (use +{full_key}=VALUE to add a new key)"
+    first = next((line for line in message.splitlines() if line.strip()), message)
+    return f"invalid overrides: {first}"
+
+
+# ----------------------------------------------------------------------------- running
+def _instantiate_run(cfg: Any) -> tuple[Any, Any, Any, list[Any], Any]:
+    """Build model config, tokenizer, data, module, callbacks and logger from a composed config."""
+    from hydra.utils import instantiate
+
+    if "module" not in cfg or cfg.module is None:
+        raise UsageError("the config has no 'module' section; pick a recipe with recipe=NAME.")
+    model_config = instantiate(cfg.model)
+    tokenizer = model_config.build_tokenizer()
+    datamodule = instantiate(cfg.data, tokenizer=tokenizer)
+    module = instantiate(cfg.module, model_config=model_config, tokenizer=tokenizer)
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    return model_config, datamodule, module, callbacks, logger
+
+
+def _user_error_message(exc: BaseException) -> str | None:
+    """The message of a configuration mistake (possibly wrapped by Hydra's instantiate), else None."""
+    from hydra.errors import InstantiationException
+
+    cause: BaseException | None = exc
+    while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if isinstance(cause, (UsageError, ValueError, FileNotFoundError)):
+        return str(cause)
+    if isinstance(exc, InstantiationException):
+        return str(exc).splitlines()[0]
+    return None
+
+
+def _run_training(cfg: Any, command: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+
+    from lit_memopt._run_summary import RunSummary, print_summary
+
+    pl.seed_everything(int(cfg.seed), workers=True)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    ckpt_path = cfg.get("ckpt_path")
+    if command == "validate" and not ckpt_path:
+        raise UsageError("validate needs a checkpoint: add ckpt_path=/path/to/last.ckpt")
+    if ckpt_path and not Path(str(ckpt_path)).is_file():
+        raise UsageError(f"ckpt_path={ckpt_path!r} is not a file; give the path of a .ckpt written by a fit run.")
+
+    _, datamodule, module, callbacks, logger = _instantiate_run(cfg)
+    summary = RunSummary()
+    callbacks.append(summary)
+    if cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=None)
+        )
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(pl.callbacks.RichProgressBar(leave=True))
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+
+    started = time.perf_counter()
+    if command == "fit":
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    else:
+        trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    elapsed = time.perf_counter() - started
+    result = summary.collect(trainer, module, run_dir=run_dir, seconds=elapsed, command=command)
+    if trainer.is_global_zero:
+        print_summary(result)
+    return result
+
+
+def _make_task(command: str, relaunch_argv: list[str]) -> Callable[[Any], Any]:
+    def task(cfg: Any) -> Any:
+        # Lightning's DDP launcher re-runs sys.argv[1:] in each child: keep the subcommand in it.
+        sys.argv = relaunch_argv
+        try:
+            if command == "estimate":
+                from lit_memopt.memory.estimate import run_estimate_command
+
+                return run_estimate_command(cfg)
+            return _run_training(cfg, command)
+        except Exception as exc:  # noqa: BLE001 - config mistakes become one line, the rest re-raises
+            message = _user_error_message(exc)
+            if message is None or os.environ.get("LIT_MEMOPT_DEBUG"):
+                raise
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return task
+
+
+def _run_hydra(command: str, args: list[str]) -> int:
+    import hydra
+
+    flags, overrides = _split_hydra_flags(args)
+    if any(f in ("--help", "-h") for f in flags):
+        print(format_help())
+        return 0
+    register_recipes()
+    check_overrides(overrides)
+    original = list(sys.argv)
+    relaunch = [original[0], command, *args]
+    sys.argv = [original[0], *args]
+    try:
+        main_fn = hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_make_task(command, relaunch))
+        main_fn()
+    finally:
+        sys.argv = original
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lit-memopt`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if argv is not None:
+        sys.argv = [sys.argv[0] if sys.argv else PROG, *args]
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(format_help())
+        return 0
+    if args[0] == "--version":
+        print(f"{PROG} {lit_memopt.__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    try:
+        if command == "benchmark":
+            from benchmarks.__main__ import main as benchmark_main  # type: ignore[import-not-found]
+
+            return int(benchmark_main(rest) or 0)
+        if command not in HYDRA_COMMANDS:
+            hint = " (overrides go after a command: lit-memopt fit recipe=sft)" if "=" in command else ""
+            raise UsageError(f"unknown command {command!r}{hint}; choose one of: {', '.join(COMMAND_HELP)}")
+        return _run_hydra(command, rest)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
