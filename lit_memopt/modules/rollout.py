@@ -26,6 +26,7 @@ __all__ = [
     "generate",
     "position_ids_from_mask",
     "response_hidden_states",
+    "scatter_response",
     "sequence_token_logprobs",
     "reference_logprobs",
     "group_advantages",
@@ -284,8 +285,8 @@ def response_hidden_states(
 
     Returns:
         ``(hidden [n, H], targets [n], positions)`` where ``positions`` is the boolean ``[B, T]``
-        mask (``response_mask`` without column 0) to scatter per-token results back with
-        :func:`_scatter`.
+        mask (``response_mask`` without column 0) to put per-token results back in ``[B, T]`` with
+        :func:`scatter_response`.
     """
     if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
         raise ValueError(
@@ -306,7 +307,8 @@ def response_hidden_states(
     return selected, targets, positions
 
 
-def _scatter(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def scatter_response(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-token values ``[n]`` from the gathered rows of :func:`response_hidden_states` back to ``[B, T]``, zeros elsewhere."""
     # Boolean indexing and masked_scatter both walk the mask in row-major order, so this inverts
     # the gather in response_hidden_states; it is differentiable with respect to ``values``.
     return values.new_zeros(positions.shape).masked_scatter(positions, values)
@@ -340,7 +342,7 @@ def sequence_token_logprobs(
 
     hidden, targets, positions = response_hidden_states(model, input_ids, attention_mask, response_mask)
     logp = linear_logprobs(hidden, lm_head_weight(model), targets, temperature=temperature, chunk_size=chunk_size)
-    return _scatter(logp, positions)
+    return scatter_response(logp, positions)
 
 
 def reference_logprobs(
