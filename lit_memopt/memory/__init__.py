@@ -10,6 +10,8 @@ _EXPORTS = {
     "memory_snapshot": ".stats",
     "is_oom_error": ".oom",
     "memory_budget": ".budget",
+    "MemoryBudget": ".budget",
+    "storage_bytes": ".budget",
     "estimate_peak": ".estimate",
     "fake_mode": ".fake",
     "peak_during": ".fake",
