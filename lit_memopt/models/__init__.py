@@ -11,6 +11,11 @@ _EXPORTS = {
     "lm_head_weight": ".hf",
     "decoder_of": ".hf",
     "decoder_hidden_states": ".hf",
+    "TTTConfig": ".ttt",
+    "TTTLinear": ".ttt",
+    "TTTMLP": ".ttt",
+    "TTTIntegrationConfig": ".ttt",
+    "add_ttt_layers": ".ttt",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,212 @@
+"""TTT layers: dual form vs a primal autograd reference, scan checkpointing, causality, remainders, gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_memopt.models.ttt import TTTConfig, TTTLinear, TTTMLP, auto_checkpoint_group_size
+
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """The comparisons below are about maths, not rounding: run them in float64."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _heads(layer, t):
+    B, T, _ = t.shape
+    return t.reshape(B, T, layer.num_heads, layer.head_dim).transpose(1, 2)
+
+
+def _inner_model(layer, params, x):
+    if isinstance(layer, TTTLinear):
+        W, b = params
+        return x @ W + b
+    W1, b1, W2, b2 = params
+    return F.gelu(x @ W1 + b1) @ W2 + b2
+
+
+def _inner_ln(layer, z):
+    w = layer.inner_norm_weight[None, :, None, :]
+    b = layer.inner_norm_bias[None, :, None, :]
+    return F.layer_norm(z, (z.shape[-1],), eps=1e-6) * w + b
+
+
+def primal_reference(layer, x):
+    """Plain mini-batch TTT: per-token inner gradients by autograd, then explicit weights W_i per token."""
+    B, T, _ = x.shape
+    q, k, v = _heads(layer, layer.q_proj(x)), _heads(layer, layer.k_proj(x)), _heads(layer, layer.v_proj(x))
+    lr = layer.base_lr * torch.sigmoid(torch.einsum("btc,hc->bht", x, layer.lr_weight) + layer.lr_bias[:, None])
+    lr = lr / layer.head_dim
+    state = [p.unsqueeze(0).expand(B, *p.shape) for p in layer.inner_parameters()]
+    outs = []
+    for start in range(0, T, layer.mini_batch_size):
+        end = min(start + layer.mini_batch_size, T)
+        grads = []
+        for j in range(start, end):
+            kj, vj = k[:, :, j : j + 1], v[:, :, j : j + 1]
+            loss = 0.5 * (_inner_ln(layer, _inner_model(layer, state, kj)) - (vj - kj)).pow(2).sum()
+            grads.append(torch.autograd.grad(loss, state, create_graph=True))
+        running = [torch.zeros_like(s) for s in state]
+        for i in range(start, end):
+            pos = i - start
+            scale = torch.clamp_min(1.0 / (pos + 1) + layer.token_scale_offset[pos], 0.0)
+            lr_i = lr[:, :, i].reshape(B, layer.num_heads, 1, 1)
+            running = [r + lr_i * g for r, g in zip(running, grads[pos])]
+            weights = [s - scale * r for s, r in zip(state, running)]
+            qi = q[:, :, i : i + 1]
+            outs.append(qi + _inner_ln(layer, _inner_model(layer, weights, qi)))
+        state = weights
+    out = torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, layer.hidden_size)
+    return layer.o_proj(layer.post_norm(out))
+
+
+def _perturbed(layer):
+    """Non-trivial values for parameters that start at 0/1, so the test exercises them."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        layer.token_scale_offset.copy_(0.1 * torch.randn(layer.token_scale_offset.shape, generator=g))
+        layer.lr_bias.copy_(torch.randn(layer.lr_bias.shape, generator=g))
+        layer.inner_norm_weight.add_(0.2 * torch.randn(layer.inner_norm_weight.shape, generator=g))
+        layer.inner_norm_bias.add_(0.2 * torch.randn(layer.inner_norm_bias.shape, generator=g))
+        for p in layer.inner_parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return layer
+
+
+def _make(kind, **kw):
+    torch.manual_seed(0)
+    cls = {"linear": TTTLinear, "mlp": TTTMLP}[kind]
+    extra = {"expansion": 2} if kind == "mlp" else {}
+    return _perturbed(cls(16, 2, mini_batch_size=4, base_lr=kw.pop("base_lr", 1.0), **extra, **kw))
+
+
+def _grads(layer, x, fn):
+    x = x.clone().requires_grad_(True)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    (fn(x) * w).sum().backward()
+    out = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    out["input"] = x.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("T", [8, 11, 3])  # full mini-batches, full + remainder, remainder only
+def test_dual_form_matches_primal_outputs_and_gradients(kind, T):
+    layer = _make(kind, base_lr=3.0)
+    x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x), primal_reference(layer, x), rtol=1e-9, atol=1e-10)
+    dual = _grads(layer, x, layer)
+    primal = _grads(layer, x, lambda t: primal_reference(layer, t))
+    assert dual.keys() == primal.keys()
+    for name in dual:
+        torch.testing.assert_close(dual[name], primal[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_scan_checkpointing_gives_identical_gradients(kind):
+    x = torch.randn(2, 27, 16, generator=torch.Generator().manual_seed(2))  # 6 mini-batches + 3
+    plain = _make(kind)
+    ref_out = plain(x)
+    ref = _grads(plain, x, plain)
+    for group in (1, 2, 4, 100):
+        layer = _make(kind, checkpoint_group_size=group)
+        assert torch.equal(layer(x), ref_out)
+        got = _grads(layer, x, layer)
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (group, name)
+
+
+def test_scan_checkpointing_saves_fewer_tensors():
+    """With checkpointing, backward holds only group-boundary states: count saved-tensor bytes."""
+    x = torch.randn(2, 64, 16, requires_grad=True)
+
+    def saved_bytes(group):
+        layer = _make("linear", checkpoint_group_size=group)
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x)
+        return total
+
+    assert saved_bytes(4) < 0.6 * saved_bytes(0)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_causal_within_and_across_mini_batches(kind):
+    layer = _make(kind)
+    x = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(4))
+    base = layer(x)
+    for t in (1, 5, 9, 12):  # inside the first mini-batch, mid-sequence, inside the remainder
+        changed = x.clone()
+        changed[:, t:] = torch.randn(changed[:, t:].shape)
+        out = layer(changed)
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-12)
+        assert not torch.allclose(out[:, t], base[:, t])
+
+
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 13])
+def test_remainder_lengths_equal_prefix_of_longer_sequence(T):
+    layer = _make("linear")
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(layer(x[:, :T]), layer(x)[:, :T], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_gradients_reach_inner_initial_weights_and_learning_rate_parameters(kind):
+    layer = _make(kind)
+    x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(6))
+    grads = _grads(layer, x, layer)
+    names = [n for n in ("W1", "b1", "W2", "b2") if hasattr(layer, n)]
+    for name in [*names, "lr_weight", "lr_bias", "token_scale_offset", "inner_norm_weight", "inner_norm_bias"]:
+        assert torch.isfinite(grads[name]).all(), name
+        assert grads[name].abs().sum() > 0, name
+    # the remainder (positions 8, 9) uses token-scale entries 0 and 1 only; all 4 entries are used
+    assert (grads["token_scale_offset"] != 0).all()
+
+
+def test_bf16_autocast_runs_inner_loop_in_float32():
+    torch.manual_seed(0)
+    layer = TTTLinear(16, 2, mini_batch_size=4).float()
+    x = torch.randn(2, 10, 16, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().sum().backward()
+    ref = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=0.05, atol=0.05)
+    assert layer.W1.grad is not None and torch.isfinite(layer.W1.grad).all()
+
+
+def test_auto_group_size_follows_available_memory():
+    kw = dict(num_mini_batches=128, mini_batch_bytes=1000, state_bytes=4000, num_layers=4)
+    assert auto_checkpoint_group_size(**kw, available_bytes=10**9) == 0  # everything fits: no recompute
+    g = auto_checkpoint_group_size(**kw, available_bytes=10**5)
+    assert g == round((4 * 128 * 4000 / 1000) ** 0.5)
+    assert auto_checkpoint_group_size(**kw, available_bytes=0) == g
+    layer = TTTLinear(16, 2, mini_batch_size=4, checkpoint_group_size="auto")
+    layer(torch.randn(1, 16, 16))
+    assert layer.last_group_size is not None and layer.last_group_size >= 0
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="checkpoint_group_size"):
+        TTTLinear(16, 2, checkpoint_group_size=-1)
+    with pytest.raises(ValueError, match="num_heads"):
+        TTTLinear(15, 2)
+    with pytest.raises(ValueError, match="layer_type"):
+        TTTConfig(layer_type="conv")
+    with pytest.raises(ValueError, match="budget_fraction"):
+        auto_checkpoint_group_size(4, 1, 1, budget_fraction=0.0)
