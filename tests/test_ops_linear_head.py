@@ -1,0 +1,338 @@
+"""Fused LM-head ops vs plain log_softmax/softmax references: values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_memopt.ops import (
+    linear_entropy,
+    linear_kl,
+    linear_logprobs,
+    linear_logprobs_and_entropy,
+    linear_self_certainty,
+)
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------- plain references (full logits)
+
+
+def ref_logits(hidden, weight, bias=None, temperature=1.0):
+    z = hidden.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    return z / temperature
+
+
+def ref_logprobs(hidden, weight, targets, bias=None, temperature=1.0):
+    logp = torch.log_softmax(ref_logits(hidden, weight, bias, temperature), dim=-1)
+    valid = targets != IGNORE
+    picked = logp.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def ref_entropy(hidden, weight, bias=None, temperature=1.0):
+    logp = torch.log_softmax(ref_logits(hidden, weight, bias, temperature), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def ref_self_certainty(hidden, weight, bias=None, temperature=1.0):
+    z = ref_logits(hidden, weight, bias, temperature)
+    return torch.logsumexp(z, dim=-1) - z.mean(-1)
+
+
+def ref_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0):
+    logp = torch.log_softmax(ref_logits(hidden, weight, None, temperature), dim=-1)
+    logq = torch.log_softmax(ref_logits(ref_hidden, ref_weight, None, temperature), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def make(shape=(3, 5), hidden_size=16, vocab=37, dtype=torch.float32, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, hidden_size, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(dtype).requires_grad_()
+    b = (torch.randn(vocab, generator=g)).to(dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, vocab, shape, generator=g)
+    return hidden, weight, b, targets
+
+
+def grads_of(out, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    return torch.autograd.grad((out * upstream).sum(), [t for t in inputs if t is not None], retain_graph=True)
+
+
+OPS = {
+    "logprobs": (
+        lambda h, w, b, t, T, c: linear_logprobs(h, w, t, bias=b, temperature=T, chunk_size=c),
+        lambda h, w, b, t, T: ref_logprobs(h, w, t, b, T),
+    ),
+    "entropy": (
+        lambda h, w, b, t, T, c: linear_entropy(h, w, bias=b, temperature=T, chunk_size=c),
+        lambda h, w, b, t, T: ref_entropy(h, w, b, T),
+    ),
+    "self_certainty": (
+        lambda h, w, b, t, T, c: linear_self_certainty(h, w, bias=b, temperature=T, chunk_size=c),
+        lambda h, w, b, t, T: ref_self_certainty(h, w, b, T),
+    ),
+    "logprobs_and_entropy": (
+        lambda h, w, b, t, T, c: torch.stack(linear_logprobs_and_entropy(h, w, t, bias=b, temperature=T, chunk_size=c)),
+        lambda h, w, b, t, T: torch.stack(
+            [ref_logprobs(h, w, t, b, T), torch.where(t != IGNORE, ref_entropy(h, w, b, T), 0.0)]
+        ),
+    ),
+}
+
+
+# ---------------------------------------------------------------- fp32 forward + backward
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize(
+    "chunk, temperature, bias",
+    [((4, 7), 1.0, False), ((3, 10), 0.7, True), (None, 1.3, True), (1, 1.0, False)],
+)
+def test_fp32_matches_reference(name, chunk, temperature, bias):
+    fused, ref = OPS[name]
+    hidden, weight, b, targets = make(bias=bias)
+    targets[0, 1] = IGNORE
+    targets[2, 4] = IGNORE
+    out = fused(hidden, weight, b, targets, temperature, chunk)
+    expected = ref(hidden, weight, b, targets, temperature)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    got = grads_of(out, (hidden, weight, b))
+    want = grads_of(expected.float(), (hidden, weight, b))
+    for g_got, g_want, t in zip(got, want, (hidden, weight, b)):
+        assert g_got.dtype == t.dtype
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
+
+
+def test_kl_fp32_matches_reference_and_is_policy_only():
+    hidden, weight, _, _ = make()
+    ref_hidden, ref_weight, _, _ = make(seed=5)
+    ref_hidden.requires_grad_(True)
+    ref_weight.requires_grad_(True)
+    out = linear_kl(hidden, weight, ref_hidden, ref_weight, temperature=0.8, chunk_size=(4, 9))
+    expected = ref_kl(hidden, weight, ref_hidden.detach(), ref_weight.detach(), temperature=0.8)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert (out > -1e-6).all()
+    got = grads_of(out, (hidden, weight))
+    want = grads_of(expected.float(), (hidden, weight))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+    assert ref_hidden.grad is None and ref_weight.grad is None
+
+
+def test_kl_with_shared_weight_gets_policy_gradient_only():
+    # A LoRA policy's reference shares the head weight: only the policy side may contribute.
+    hidden, weight, _, _ = make()
+    ref_hidden = torch.randn_like(hidden).detach()
+    out = linear_kl(hidden, weight, ref_hidden, weight, chunk_size=(5, 8))
+    (g_fused,) = torch.autograd.grad(out.sum(), weight)
+    expected = ref_kl(hidden, weight, ref_hidden, weight.detach())
+    (g_ref,) = torch.autograd.grad(expected.float().sum(), weight)
+    torch.testing.assert_close(g_fused, g_ref, rtol=1e-4, atol=1e-5)
+    # Identical policy and reference -> KL 0.
+    zero = linear_kl(hidden, weight, hidden.detach(), weight)
+    torch.testing.assert_close(zero, torch.zeros_like(zero), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- float64 gradcheck
+
+
+@pytest.mark.parametrize("name", sorted(OPS) + ["kl"])
+def test_gradcheck_float64(name):
+    hidden, weight, b, targets = make(shape=(2, 3), hidden_size=4, vocab=11, dtype=torch.float64, bias=name != "kl")
+    targets[1, 0] = IGNORE
+    if name == "kl":
+        ref_h = torch.randn(2, 3, 4, dtype=torch.float64)
+        ref_w = torch.randn(11, 4, dtype=torch.float64)
+
+        def fn(h, w):
+            return linear_kl(h, w, ref_h, ref_w, temperature=0.9, chunk_size=(2, 4))
+
+        assert torch.autograd.gradcheck(fn, (hidden, weight))
+        return
+    fused, _ = OPS[name]
+    assert torch.autograd.gradcheck(lambda h, w, bb: fused(h, w, bb, targets, 0.9, (2, 4)), (hidden, weight, b))
+
+
+# ---------------------------------------------------------------- dtypes, autocast, grads
+
+
+@pytest.mark.parametrize("name", ["logprobs", "entropy", "self_certainty"])
+def test_bf16_inputs_within_bf16_tolerance(name):
+    fused, ref = OPS[name]
+    hidden, weight, b, targets = make(shape=(4, 6), hidden_size=32, vocab=101, dtype=torch.bfloat16, bias=True)
+    out = fused(hidden, weight, b, targets, 1.0, (5, 16))
+    assert out.dtype == torch.float32
+    expected = ref(hidden, weight, b, targets, 1.0)  # exact maths on the same bf16 values
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    got = grads_of(out, (hidden, weight, b))
+    want = grads_of(expected.float(), (hidden, weight, b))
+    for g_got, g_want, t in zip(got, want, (hidden, weight, b)):
+        assert g_got.dtype == torch.bfloat16
+        torch.testing.assert_close(g_got.float(), g_want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_autocast_still_computes_in_fp32():
+    hidden, weight, _, targets = make(shape=(2, 9), hidden_size=24, vocab=53)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_logprobs(hidden, weight, targets, chunk_size=(4, 8))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_logprobs(hidden, weight, targets), rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+
+
+def test_mixed_dtypes_bf16_hidden_fp32_weight():
+    hidden, weight, _, targets = make()
+    h16 = hidden.detach().bfloat16().requires_grad_()
+    out = linear_logprobs(h16, weight, targets, chunk_size=(4, 8))
+    torch.testing.assert_close(out.double(), ref_logprobs(h16, weight, targets), rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert h16.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("which", ["hidden", "weight"])
+def test_only_one_input_requires_grad(which):
+    hidden, weight, _, targets = make()
+    (hidden if which == "weight" else weight).requires_grad_(False)
+    out = linear_entropy(hidden, weight, chunk_size=(4, 6))
+    out.sum().backward()
+    expected = ref_entropy(hidden.detach(), weight.detach())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    leaf = hidden if which == "hidden" else weight
+    other = weight if which == "hidden" else hidden
+    assert leaf.grad is not None and other.grad is None
+    leaf2 = leaf.detach().clone().requires_grad_()
+    args = (leaf2, weight.detach()) if which == "hidden" else (hidden.detach(), leaf2)
+    ref_entropy(*args).float().sum().backward()
+    torch.testing.assert_close(leaf.grad, leaf2.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_no_grad_inputs_give_plain_tensor():
+    hidden, weight, _, targets = make()
+    out = linear_logprobs(hidden.detach(), weight.detach(), targets)
+    assert not out.requires_grad
+
+
+def test_tied_embedding_accumulates_both_paths():
+    torch.manual_seed(0)
+    vocab, size = 29, 12
+    emb = torch.nn.Embedding(vocab, size)
+    ids = torch.randint(0, vocab, (3, 7))
+    targets = torch.randint(0, vocab, (3, 7))
+    hidden = torch.tanh(emb(ids))
+    linear_logprobs(hidden, emb.weight, targets, chunk_size=(5, 6)).sum().backward()
+    fused_grad = emb.weight.grad.clone()
+    emb.weight.grad = None
+    hidden = torch.tanh(emb(ids))
+    ref_logprobs(hidden, emb.weight, targets).float().sum().backward()
+    torch.testing.assert_close(fused_grad, emb.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_ignore_index_gives_zero_and_no_gradient():
+    hidden, weight, _, targets = make(shape=(2, 4))
+    targets[0] = IGNORE
+    logp, ent = linear_logprobs_and_entropy(hidden, weight, targets, chunk_size=(3, 5))
+    assert (logp[0] == 0).all() and (ent[0] == 0).all() and (ent[1] > 0).all()
+    (logp.sum() + ent.sum()).backward()
+    assert (hidden.grad[0] == 0).all() and (hidden.grad[1] != 0).any()
+    # all-ignored batch: zero output and zero weight gradient
+    weight.grad = None
+    linear_logprobs(hidden, weight, torch.full_like(targets, IGNORE)).sum().backward()
+    assert (weight.grad == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (2, 3, 5)])
+def test_arbitrary_leading_dims_and_noncontiguous(shape):
+    hidden, weight, b, targets = make(shape=shape, bias=True)
+    out = linear_logprobs(hidden, weight, targets, bias=b, chunk_size=(4, 10))
+    assert out.shape == shape
+    torch.testing.assert_close(out.double(), ref_logprobs(hidden, weight, targets, b), rtol=1e-5, atol=1e-5)
+    # a transposed (non-contiguous) hidden view
+    h = torch.randn(16, 6).T.requires_grad_() if shape == () else None
+    if h is not None:
+        t = torch.randint(0, 37, (6,))
+        torch.testing.assert_close(
+            linear_logprobs(h, weight, t).double(), ref_logprobs(h, weight, t), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_odd_tile_sizes_and_auto_tiles_agree():
+    hidden, weight, b, targets = make(shape=(17,), hidden_size=8, vocab=131, bias=True)
+    outs = [linear_entropy(hidden, weight, bias=b, chunk_size=c) for c in (None, 1, (17, 131), (3, 17), (16, 64))]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_extreme_logits_are_finite():
+    hidden, weight, _, targets = make(shape=(4,), hidden_size=4, vocab=19)
+    with torch.no_grad():
+        hidden.mul_(300.0)
+    for fn in (
+        lambda: linear_logprobs(hidden, weight, targets, chunk_size=(2, 5)),
+        lambda: linear_entropy(hidden, weight, chunk_size=(2, 5)),
+        lambda: linear_self_certainty(hidden, weight, chunk_size=(2, 5)),
+    ):
+        out = fn()
+        out.sum().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(hidden.grad).all()
+        hidden.grad = None
+    torch.testing.assert_close(
+        linear_entropy(hidden, weight, chunk_size=(2, 5)).double(), ref_entropy(hidden, weight), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_self_certainty_relation_to_uniform_kl():
+    hidden, weight, _, _ = make()
+    sc = linear_self_certainty(hidden, weight).double()
+    logp = torch.log_softmax(ref_logits(hidden, weight), -1)
+    kl_uniform_to_p = (-logp).mean(-1) - torch.log(torch.tensor(37.0, dtype=torch.float64))
+    torch.testing.assert_close(sc, kl_uniform_to_p + torch.log(torch.tensor(37.0, dtype=torch.float64)), rtol=1e-5, atol=1e-5)
+
+
+def test_double_backward_raises():
+    hidden, weight, _, targets = make()
+    out = linear_logprobs(hidden, weight, targets)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), hidden, create_graph=True)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_clear_errors():
+    hidden, weight, b, targets = make()
+    with pytest.raises(ValueError, match="`weight` has hidden size"):
+        linear_entropy(hidden, weight[:, :5])
+    with pytest.raises(ValueError, match="`weight` must have at least 2"):
+        linear_entropy(hidden, weight[0])
+    with pytest.raises(TypeError, match="`hidden` must be a floating-point"):
+        linear_entropy(targets.unsqueeze(-1).expand(3, 5, 16), weight)
+    with pytest.raises(ValueError, match="`targets` must have shape"):
+        linear_logprobs(hidden, weight, targets[0])
+    with pytest.raises(TypeError, match="`targets` must be an integer"):
+        linear_logprobs(hidden, weight, targets.float())
+    with pytest.raises(ValueError, match=r"`targets` must be in \[0, 37\)"):
+        linear_logprobs(hidden, weight, torch.full_like(targets, 37))
+    with pytest.raises(ValueError, match="`bias` must have shape"):
+        linear_entropy(hidden, weight, bias=torch.zeros(5))
+    with pytest.raises(ValueError, match="`temperature`"):
+        linear_entropy(hidden, weight, temperature=0.0)
+    with pytest.raises(ValueError, match="`chunk_size`"):
+        linear_entropy(hidden, weight, chunk_size=0)
+    with pytest.raises(TypeError, match="`chunk_size`"):
+        linear_entropy(hidden, weight, chunk_size="auto")
+    with pytest.raises(ValueError, match="`weight` is on meta"):
+        linear_entropy(hidden, weight.detach().to("meta"))
+    with pytest.raises(ValueError, match="`ref_weight` has vocabulary size"):
+        linear_kl(hidden, weight, hidden.detach(), weight.detach()[:5])
+    with pytest.raises(ValueError, match="`ref_hidden` leading shape"):
+        linear_kl(hidden, weight, hidden.detach()[0], weight.detach())
