@@ -32,37 +32,40 @@ VERDICTS: tuple[str, ...] = ("ok", "wrong", "error", "timeout", "memory")
 _EXIT_MEMORY = 113
 _EXIT_SETUP_FAILED = 114
 
-# The child's bootstrap. It starts as the trainer's user, isolates itself (namespaces, private
-# tmpfs mounts, rlimits, an unprivileged uid), then executes the program. It is stdlib-only and
-# reads everything from argv so that no file of the trainer is needed inside.
+# The child's bootstrap (stdlib only; everything comes from argv). Three processes:
+#   bootstrap (trainer's user, outside)  -- enforces the wall clock, reports the outcome on status_fd
+#     ns-init (PID 1 of a new PID namespace when permitted)  -- reaps; its exit kills the namespace
+#       worker (private uid, rlimits)  -- runs the program
+# The bootstrap and ns-init never run generated code and cannot be signalled by the worker.
 _BOOTSTRAP = r"""
-import ctypes, json, os, resource, sys
+import ctypes, json, os, resource, sys, time
 cfg = json.loads(sys.argv[1])
 src = sys.argv[2]
 del sys.argv[1:]
 sys.argv[0] = "<program>"
 report = {}
+status_fd = cfg["status_fd"]
 def fail(what, err):
     if cfg["probe"]:
         report[what] = False
         return
     os.write(2, ("sandbox setup failed at %s: %s\n" % (what, err)).encode())
     os._exit(_SETUP_FAILED_)
+def tell(obj):
+    if status_fd is not None:
+        os.write(status_fd, json.dumps(obj).encode())
 libc = ctypes.CDLL(None, use_errno=True)
-flags = (0x40000000 if cfg["net"] else 0) | (0x00020000 if cfg["mount"] else 0)
-if flags:
-    if libc.unshare(flags) != 0:
-        err = os.strerror(ctypes.get_errno())
-        if cfg["net"]: fail("net", err)
-        if cfg["mount"]: fail("mount", err)
-        cfg["mount"] = False
-    else:
-        report["net"] = bool(cfg["net"])
+for name, flag in (("net", 0x40000000), ("mount", 0x00020000), ("pid", 0x20000000)):
+    if cfg[name]:
+        if libc.unshare(flag) != 0:
+            fail(name, os.strerror(ctypes.get_errno()))
+            cfg[name] = False
+        else:
+            report[name] = True
 if cfg["mount"]:
     ok = libc.mount(b"none", b"/", None, 16384 | (1 << 18), None) == 0  # MS_REC | MS_PRIVATE
     size = ("size=%d,mode=0700" % cfg["tmpfs_bytes"]).encode()
-    here = os.getcwd().encode()
-    ok = ok and libc.mount(b"tmpfs", here, b"tmpfs", 0, size) == 0
+    ok = ok and libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", 0, size) == 0
     if ok:
         os.chdir(os.getcwd())  # enter the fresh tmpfs that now sits on the working directory
         if cfg["uid"] is not None:
@@ -72,50 +75,115 @@ if cfg["mount"]:
                 ok = False
     if not ok:
         fail("mount", os.strerror(ctypes.get_errno()))
+        cfg["mount"] = False
     else:
         report["mount"] = True
-for name, value in cfg["rlimits"].items():
+init = os.fork()
+if init == 0:
     try:
-        resource.setrlimit(getattr(resource, name), (value[0], value[1]))
-        report[name] = True
-    except (OSError, ValueError) as err:
-        fail(name, err)
-if cfg["uid"] is not None:
-    try:
-        os.setgroups([])
-        os.setgid(cfg["uid"])
-        os.setuid(cfg["uid"])
-        report["uid"] = True
-    except OSError as err:
-        fail("uid", err)
-    try:
-        resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
-        report["nproc"] = True
-    except (OSError, ValueError) as err:
-        fail("nproc", err)
-if cfg["probe"]:
-    try:
-        import colorsys  # rarely preloaded: can this uid still read the standard library?
-        report["stdlib"] = True
-    except ImportError:
-        report["stdlib"] = False
-    sys.stdout.write(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)
-del ctypes, json, resource, libc, cfg, report, fail, flags
-namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-try:
-    code = compile(src, "<program>", "exec")
-    del src
-    exec(code, namespace)
-except MemoryError:
-    os.write(2, b"MemoryError\n")
-    os._exit(_MEMORY_)
-finally:
-    try:
-        sys.stdout.flush()
-    except BaseException:
-        pass
+        if cfg["pid"] and cfg["mount"]:
+            # A /proc of the new PID namespace: the trainer's processes are not even visible.
+            if libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) != 0:  # nosuid, nodev, noexec
+                fail("proc", os.strerror(ctypes.get_errno()))
+            else:
+                report["proc"] = True
+        if not cfg["pid"]:
+            libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us to be reaped
+        worker = os.fork()
+        if worker == 0:
+            if status_fd is not None:
+                os.close(status_fd)
+            if not cfg["pid"]:
+                os.setpgid(0, 0)
+            for name, value in cfg["rlimits"].items():
+                try:
+                    resource.setrlimit(getattr(resource, name), (value[0], value[1]))
+                    report[name] = True
+                except (OSError, ValueError) as err:
+                    fail(name, err)
+            if cfg["uid"] is not None:
+                try:
+                    os.setgroups([])
+                    os.setgid(cfg["uid"])
+                    os.setuid(cfg["uid"])
+                    report["uid"] = True
+                except OSError as err:
+                    fail("uid", err)
+                try:
+                    resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
+                    report["nproc"] = True
+                except (OSError, ValueError) as err:
+                    fail("nproc", err)
+            if cfg["probe"]:
+                try:
+                    import colorsys  # rarely preloaded: can this uid still read the standard library?
+                    report["stdlib"] = True
+                except ImportError:
+                    report["stdlib"] = False
+                sys.stdout.write(json.dumps(report))
+                sys.stdout.flush()
+                os._exit(0)
+            code = 0
+            try:
+                namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+                exec(compile(src, "<program>", "exec"), namespace)
+            except MemoryError:
+                os.write(2, b"MemoryError\n")
+                code = _MEMORY_
+            except SystemExit as stop:
+                if stop.code is None or isinstance(stop.code, int):
+                    code = stop.code or 0
+                else:
+                    sys.stderr.write(str(stop.code) + "\n")
+                    code = 1
+            except BaseException:
+                sys.excepthook(*sys.exc_info())
+                code = 1
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except BaseException:
+                    code = code or 1
+            os._exit(code & 255)
+        status = None
+        while status is None:
+            try:
+                pid, st = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            if pid == worker:
+                status = st
+        if not cfg["pid"]:
+            try:
+                os.killpg(worker, 9)
+            except OSError:
+                pass
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                try:
+                    if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                        time.sleep(0.005)
+                except ChildProcessError:
+                    break
+        if status is not None:
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+            tell({"exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None, "signal": sig})
+    finally:
+        os._exit(0)  # as PID 1 of the namespace: the kernel now kills and reaps everything left in it
+deadline = time.monotonic() + cfg["wall_time_s"]
+pause = 0.001
+while True:
+    pid, st = os.waitpid(init, os.WNOHANG)
+    if pid:
+        break
+    if time.monotonic() >= deadline:
+        os.kill(init, 9)
+        os.waitpid(init, 0)
+        tell({"timeout": True})
+        break
+    time.sleep(pause)
+    pause = min(pause * 2, 0.01)
+os._exit(0)
 """.replace("_SETUP_FAILED_", str(_EXIT_SETUP_FAILED)).replace("_MEMORY_", str(_EXIT_MEMORY))
 
 # argv strings are capped by the kernel at 128 KiB each; generated programs are far smaller.
@@ -184,6 +252,24 @@ _PROBE_LOCK = threading.Lock()
 _PROBE_CACHE: dict[tuple, dict[str, bool]] = {}
 
 
+def _rank_zero(kind: str, message: str) -> None:
+    # The functions lightning.pytorch.utilities re-exports (same rank state), without importing
+    # Lightning (slow): the sandbox is usable outside a Trainer. Lightning sets the rank when it is
+    # imported; before that, we are a single process and plain warnings/logging do.
+    from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+
+    if getattr(rank_zero_only, "rank", None) is not None:
+        (rank_zero_warn if kind == "warn" else rank_zero_info)(message)
+    elif kind == "warn":
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=3)
+    else:
+        import logging
+
+        logging.getLogger(__name__).info(message)
+
+
 def _scrubbed_env(workdir: str) -> dict[str, str]:
     # Built from scratch: nothing of the trainer's environment (tokens, paths, secrets) is passed on.
     # PYTHONHASHSEED fixes set/dict-of-str ordering so outputs are reproducible across runs.
@@ -207,14 +293,14 @@ def _interpreter_candidates(python: str | None) -> list[str]:
     return found
 
 
-def _probe_one(python: str, want_net: bool, want_mount: bool, want_uid: bool) -> dict[str, bool]:
+def _probe_one(python: str, want_net: bool, want_mount: bool, want_pid: bool, want_uid: bool) -> dict[str, bool]:
     uid = _child_uid(63) if (want_uid and os.geteuid() == 0) else None
     workdir = tempfile.mkdtemp(prefix="lit_memopt_probe_")
     try:
         if uid is not None:
             os.chown(workdir, uid, uid)
-        cfg = {"probe": True, "net": want_net, "mount": want_mount, "uid": uid, "nproc": 4,
-               "tmpfs_bytes": 1 << 20, "rlimits": {"RLIMIT_CORE": [0, 0]}}
+        cfg = {"probe": True, "net": want_net, "mount": want_mount, "pid": want_pid, "uid": uid, "nproc": 4,
+               "tmpfs_bytes": 1 << 20, "rlimits": {"RLIMIT_CORE": [0, 0]}, "status_fd": None, "wall_time_s": 30.0}
         try:
             proc = subprocess.run([python, "-P", "-s", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(cfg), ""],
                                   cwd=workdir, env=_scrubbed_env(workdir), stdin=subprocess.DEVNULL,
@@ -225,27 +311,27 @@ def _probe_one(python: str, want_net: bool, want_mount: bool, want_uid: bool) ->
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {name: bool(report.get(key)) for name, key in
-            (("net", "net"), ("mount", "mount"), ("uid", "uid"), ("nproc", "nproc"), ("rlimits", "RLIMIT_CORE"),
-             ("stdlib", "stdlib"))}
+            (("net", "net"), ("mount", "mount"), ("pid", "pid"), ("proc", "proc"), ("uid", "uid"), ("nproc", "nproc"),
+             ("rlimits", "RLIMIT_CORE"), ("stdlib", "stdlib"))}
 
 
-def probe_isolation(want_net: bool = True, want_mount: bool = True, want_uid: bool = True,
+def probe_isolation(want_net: bool = True, want_mount: bool = True, want_pid: bool = True, want_uid: bool = True,
                     python: str | None = None) -> dict:
     """Find out once per process which isolation features this platform permits.
 
-    Returns ``{"python": path, "net", "mount", "uid", "nproc", "rlimits", "stdlib": bool}``: the
+    Returns ``{"python": path, "net", "mount", "pid", "proc", "uid", "nproc", "rlimits", "stdlib": bool}``: the
     interpreter that will run programs and what its child gets. It runs the real bootstrap in
     probe mode, so it reports exactly what a run gets. With ``python=None`` the trainer's own
     interpreter is preferred; when the private uid cannot read its standard library (a Python
     installed under ``/root``, say), the first system ``python3`` whose standard library it can
     read is used instead: programs only need the standard library.
     """
-    key = (want_net, want_mount, want_uid, python)
+    key = (want_net, want_mount, want_pid, want_uid, python)
     with _PROBE_LOCK:
         if key not in _PROBE_CACHE:
             chosen: dict | None = None
             for candidate in _interpreter_candidates(python):
-                report = _probe_one(candidate, want_net, want_mount, want_uid)
+                report = _probe_one(candidate, want_net, want_mount, want_pid, want_uid)
                 report["stdlib"] = report["stdlib"] or not report["uid"]
                 report = {"python": candidate, **report}
                 if chosen is None:
@@ -275,15 +361,20 @@ class Sandbox:
     isolates itself before the program's first line runs:
 
     * ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE=0`` (hard limits);
-    * when the trainer runs as root: a private network namespace (no interface but a down
-      loopback: no network), a private mount namespace with a size-limited tmpfs on the working
-      directory and on ``/tmp``, ``/var/tmp``, ``/dev/shm``, and an unprivileged uid unique to the
-      pool slot. ``RLIMIT_NPROC`` is set for that uid, which is what makes it bite (root ignores
-      NPROC) and a fork bomb stops at ``max_processes``. The uid cannot write the trainer's files,
-      read ``/proc/<trainer>/environ`` or signal the trainer;
-    * after the run, the process group is killed, and when a private uid is in use every process of
-      that uid is killed with ``kill(-1, SIGKILL)`` issued as that uid (this also reaches children
-      that called ``setsid``). No process outlives its run.
+    * when the trainer runs as root (namespaces need ``CAP_SYS_ADMIN``): a private network
+      namespace (only a down loopback: no network); a private mount namespace with a size-limited
+      tmpfs on the working directory and on ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``; a
+      private PID namespace with its own ``/proc`` (the trainer's processes are invisible, and when
+      the run ends the kernel kills and reaps every process left in it, including children that
+      called ``setsid``: nothing outlives a run and no zombie is left, even under an init that
+      does not reap); and an unprivileged uid unique to the (trainer, pool slot), with
+      ``RLIMIT_NPROC`` set for it. Root ignores ``RLIMIT_NPROC``; the private uid is what makes a
+      fork bomb stop at ``max_processes``. That uid cannot write the trainer's files or signal it;
+    * the wall clock is enforced by the bootstrap (a root process outside the namespaces that the
+      program cannot signal), with a trainer-side backstop that kills the whole process group.
+
+    Without a PID namespace the process group is killed after every run and, with a private uid,
+    every process of that uid (``kill(-1, SIGKILL)`` issued as that uid).
 
     Which of the namespace/uid features this platform permits is probed once per process
     (:func:`probe_isolation`, reported in :attr:`isolation`); a missing one is announced once with
@@ -301,6 +392,7 @@ class Sandbox:
         cache_size: ``(program, stdin)`` results kept (LRU); 0 disables the cache.
         isolate_network: ask for a private network namespace.
         isolate_filesystem: ask for private tmpfs mounts.
+        isolate_processes: ask for a private PID namespace (and its own ``/proc``).
         drop_privileges: run programs under a private unprivileged uid (root only).
         python: interpreter for the programs (standard library only); ``None`` picks one, see
             :func:`probe_isolation`.
@@ -324,6 +416,7 @@ class Sandbox:
         cache_size: int = 65536,
         isolate_network: bool = True,
         isolate_filesystem: bool = True,
+        isolate_processes: bool = True,
         drop_privileges: bool = True,
         python: str | None = None,
     ) -> None:
@@ -334,7 +427,7 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.max_workers = int(max_workers)
         self.cache_size = int(cache_size)
-        self.isolation = probe_isolation(isolate_network, isolate_filesystem, drop_privileges, python)
+        self.isolation = probe_isolation(isolate_network, isolate_filesystem, isolate_processes, drop_privileges, python)
         self._announce_isolation()
         self._pool: ThreadPoolExecutor | None = None
         self._slots: list[int] = list(range(self.max_workers))
@@ -432,21 +525,22 @@ class Sandbox:
         if key in Sandbox._announced:
             return
         Sandbox._announced.add(key)
-        from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-
         missing = [name for name, on in self.isolation.items() if on is False]
         if not self.isolation["net"]:
-            rank_zero_warn("Sandbox: this platform does not permit a private network namespace; generated programs "
+            _rank_zero("warn", "Sandbox: this platform does not permit a private network namespace; generated programs "
                            "CAN open network connections (the other limits still apply).")
         if not (self.isolation["uid"] and self.isolation["nproc"]):
-            rank_zero_warn("Sandbox: no private unprivileged uid available (needs root); RLIMIT_NPROC then counts "
+            _rank_zero("warn", "Sandbox: no private unprivileged uid available (needs root); RLIMIT_NPROC then counts "
                            "all of this user's processes and programs run as the trainer's user. The process group "
                            "is still killed after every run.")
+        if not self.isolation["pid"]:
+            _rank_zero("warn", "Sandbox: no private PID namespace on this platform; leftover processes are killed by "
+                               "process group (and by uid when a private uid is in use) after every run.")
         if not self.isolation["stdlib"]:
-            rank_zero_warn(f"Sandbox: the private uid cannot read the standard library of {self.isolation['python']}; "
+            _rank_zero("warn", f"Sandbox: the private uid cannot read the standard library of {self.isolation['python']}; "
                            "programs can import only modules built into the interpreter. Pass Sandbox(python=...) "
                            "with a world-readable interpreter.")
-        rank_zero_info(f"Sandbox isolation: {self.isolation}" + (f" (missing: {missing})" if missing else ""))
+        _rank_zero("info", f"Sandbox isolation: {self.isolation}" + (f" (missing: {missing})" if missing else ""))
 
     def _get_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -524,45 +618,71 @@ class Sandbox:
             "RLIMIT_NOFILE": [lim.max_open_files, lim.max_open_files],
             "RLIMIT_CORE": [0, 0],
         }
-        cfg = {"probe": False, "net": self.isolation["net"], "mount": self.isolation["mount"], "uid": uid,
-               "nproc": lim.max_processes, "tmpfs_bytes": fsize * 4, "rlimits": rlimits}
-        # Private directory (root-only when a private uid is in use) for the captured streams; the
-        # working directory next to it is the only place the program may write.
+        cfg = {"probe": False, "net": self.isolation["net"], "mount": self.isolation["mount"],
+               "pid": self.isolation["pid"], "uid": uid, "nproc": lim.max_processes, "tmpfs_bytes": fsize * 4,
+               "rlimits": rlimits, "status_fd": None, "wall_time_s": lim.wall_time_s}
+        # Private directory (root-only) for the captured streams; the working directory inside it is
+        # the only place the program may write (a private tmpfs when mount namespaces are permitted).
         base = tempfile.mkdtemp(prefix="lit_memopt_sandbox_")
         workdir = os.path.join(base, "work")
         os.mkdir(workdir, 0o700)
         if uid is not None:
             os.chown(workdir, uid, uid)
+        status_read, status_write = os.pipe()
+        cfg["status_fd"] = status_write
         start = time.monotonic()
         proc = None
-        timed_out = False
+        outcome: dict = {}
         try:
             with open(os.path.join(base, "stdin"), "w+b") as f_in, open(os.path.join(base, "stdout"), "w+b") as f_out, \
                     open(os.path.join(base, "stderr"), "w+b") as f_err:
                 f_in.write(stdin.encode("utf-8", "surrogatepass"))
                 f_in.seek(0)
-                proc = subprocess.Popen(
-                    [self.isolation["python"], "-P", "-s", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(cfg), program],
-                    stdin=f_in, stdout=f_out, stderr=f_err, cwd=workdir, env=_scrubbed_env(workdir),
-                    start_new_session=True, close_fds=True,
-                )
                 try:
-                    returncode = proc.wait(timeout=lim.wall_time_s)
+                    proc = subprocess.Popen(
+                        [self.isolation["python"], "-P", "-s", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(cfg), program],
+                        stdin=f_in, stdout=f_out, stderr=f_err, cwd=workdir, env=_scrubbed_env(workdir),
+                        start_new_session=True, close_fds=True, pass_fds=(status_write,),
+                    )
+                finally:
+                    os.close(status_write)
+                try:
+                    # The bootstrap enforces the wall clock itself; this is only a backstop.
+                    returncode = proc.wait(timeout=lim.wall_time_s + 10.0)
                 except subprocess.TimeoutExpired:
-                    timed_out = True
+                    outcome = {"timeout": True}
                     returncode = None
                 self._kill_tree(proc, uid)
                 if returncode is None:
                     returncode = proc.wait()
                 wall = time.monotonic() - start
+                outcome = outcome or self._read_status(status_read)
                 stdout = self._read_capped(f_out)
                 stderr = self._read_capped(f_err)
         finally:
+            os.close(status_read)
             if proc is not None and proc.poll() is None:  # only on an exception above
                 self._kill_tree(proc, uid)
                 proc.wait()
             shutil.rmtree(base, ignore_errors=True)
-        return self._classify(returncode, timed_out, stdout, stderr, wall)
+        return self._classify(returncode, outcome, stdout, stderr, wall)
+
+    @staticmethod
+    def _read_status(fd: int) -> dict:
+        os.set_blocking(fd, False)
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        try:
+            return json.loads(b"".join(chunks).decode() or "{}")
+        except ValueError:
+            return {}
 
     def _read_capped(self, handle) -> str:
         handle.flush()
@@ -571,11 +691,13 @@ class Sandbox:
         return data.decode("utf-8", "replace")[: self.limits.max_output_chars]
 
     def _kill_tree(self, proc: subprocess.Popen, uid: int | None) -> None:
+        # With a PID namespace everything is already gone (killed and reaped by the kernel when the
+        # namespace's init exited); this is the backstop for platforms without one.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        if uid is not None:
+        if uid is not None and not self.isolation["pid"]:
             # kill(-1) as that uid signals every process it owns, atomically w.r.t. fork; this
             # also reaches grandchildren that left the process group with setsid().
             subprocess.run(["/bin/kill", "-9", "-1"] if os.path.exists("/bin/kill") else
@@ -583,21 +705,27 @@ class Sandbox:
                            user=uid, group=uid, extra_groups=[], stdin=subprocess.DEVNULL,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/", timeout=30)
 
-    def _classify(self, returncode: int, timed_out: bool, stdout: str, stderr: str, wall: float) -> Verdict:
-        if timed_out:
-            return Verdict("timeout", stdout, stderr, returncode, wall, f"wall clock > {self.limits.wall_time_s}s")
-        if returncode == -signal.SIGXCPU or returncode == -signal.SIGKILL and wall >= self.limits.cpu_time_s:
-            return Verdict("timeout", stdout, stderr, returncode, wall, f"CPU time > {self.limits.cpu_time_s}s")
-        if returncode == _EXIT_MEMORY or "MemoryError" in stderr[-400:]:
-            return Verdict("memory", stdout, stderr, returncode, wall, f"address space > {self.limits.memory_mb} MiB")
-        if returncode == -signal.SIGXFSZ or "File too large" in stderr[-400:]:
-            return Verdict("error", stdout, stderr, returncode, wall, f"output/file > {self.limits.file_size_mb} MiB")
-        if returncode == _EXIT_SETUP_FAILED:
-            return Verdict("error", stdout, stderr, returncode, wall, "sandbox setup failed; run refused")
-        if returncode != 0:
-            last = stderr.strip().splitlines()[-1:] or [f"exit code {returncode}"]
-            return Verdict("error", stdout, stderr, returncode, wall, last[0][:200])
-        return Verdict("ok", stdout, stderr, returncode, wall)
+    def _classify(self, returncode: int, outcome: dict, stdout: str, stderr: str, wall: float) -> Verdict:
+        lim = self.limits
+        exit_code, sig = outcome.get("exit"), outcome.get("signal") or 0
+        if outcome.get("timeout"):
+            return Verdict("timeout", stdout, stderr, None, wall, f"wall clock > {lim.wall_time_s}s")
+        if sig in (signal.SIGXCPU, signal.SIGKILL):  # soft / hard RLIMIT_CPU
+            return Verdict("timeout", stdout, stderr, -sig, wall, f"CPU time > {lim.cpu_time_s}s")
+        if exit_code == _EXIT_MEMORY or (exit_code and "MemoryError" in stderr[-400:]):
+            return Verdict("memory", stdout, stderr, exit_code, wall, f"address space > {lim.memory_mb} MiB")
+        if sig == signal.SIGXFSZ or (exit_code and "File too large" in stderr[-400:]):
+            return Verdict("error", stdout, stderr, exit_code, wall, f"output/file > {lim.file_size_mb} MiB")
+        if exit_code == _EXIT_SETUP_FAILED or returncode == _EXIT_SETUP_FAILED:
+            return Verdict("error", stdout, stderr, _EXIT_SETUP_FAILED, wall, "sandbox setup failed; run refused")
+        if sig:
+            return Verdict("error", stdout, stderr, -sig, wall, f"killed by signal {sig}")
+        if exit_code is None:
+            return Verdict("error", stdout, stderr, returncode, wall, f"sandbox failure (bootstrap exit {returncode})")
+        if exit_code != 0:
+            last = stderr.strip().splitlines()[-1:] or [f"exit code {exit_code}"]
+            return Verdict("error", stdout, stderr, exit_code, wall, last[0][:200])
+        return Verdict("ok", stdout, stderr, 0, wall)
 
 
 def _replace(verdict: Verdict, **changes: object) -> Verdict:
