@@ -174,7 +174,7 @@ _DDP_SCRIPT = textwrap.dedent(
     from lightning.pytorch import LightningModule, Trainer, Callback
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
-    from lit_memopt.callbacks import MemoryMonitor
+    from lit_memopt.callbacks import EmptyCacheScheduler, MemoryMonitor
 
     MIB = 1024 ** 2
     out = sys.argv[1]
@@ -198,13 +198,17 @@ _DDP_SCRIPT = textwrap.dedent(
     class SaveLocal(Callback):
         def on_train_end(self, trainer, pl_module):
             monitor = MemoryMonitor.find(trainer)
+            # EmptyCacheScheduler's cross-rank agreement: rank 1 alone raises the first flag.
+            flags = torch.tensor([float(trainer.global_rank == 1), 0.0])
+            agreed = EmptyCacheScheduler()._agree(trainer, flags).tolist()
             with open(os.path.join(out, f"local_rank{trainer.global_rank}.json"), "w") as f:
-                json.dump(monitor._history, f)
+                json.dump({"history": monitor._history, "agreed": agreed}, f)
 
     if __name__ == "__main__":
         torch.set_num_threads(1)
         data = DataLoader(TensorDataset(torch.randn(64, 16)), batch_size=4)
-        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, log_every_n_steps=1,
+        # ddp_fork: DDP (gloo) whose ranks are forked, so torch and lightning are imported once, not twice.
+        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=4, log_every_n_steps=1,
                           logger=CSVLogger(out, name="logs", version=0), default_root_dir=out,
                           callbacks=[MemoryMonitor(), SaveLocal()], enable_checkpointing=False,
                           enable_progress_bar=False, enable_model_summary=False)
@@ -224,7 +228,9 @@ def test_ranks_aggregated_in_two_process_ddp(tmp_path):
                           capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    local = [json.load(open(tmp_path / f"local_rank{r}.json")) for r in (0, 1)]
+    saved = [json.load(open(tmp_path / f"local_rank{r}.json")) for r in (0, 1)]
+    local = [s["history"] for s in saved]
+    assert [s["agreed"] for s in saved] == [[1.0, 0.0], [1.0, 0.0]]  # both ranks take rank 1's decision
     rows = _memory_rows(str(tmp_path / "logs" / "version_0" / "metrics.csv"))
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     for step, row in enumerate(rows):
