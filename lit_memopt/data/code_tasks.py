@@ -1,0 +1,166 @@
+"""A built-in bank of small Python input/output tasks (CRSP's seed and fallback tasks) and its DataModule.
+
+A task is a function ``f`` plus argument expressions; its outputs are never computed here: they come
+from executing ``call_program(...)`` in :class:`lit_memopt.rewards.sandbox.Sandbox`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["CodeTask", "CodeTaskDataModule", "TASK_BANK", "call_program", "batch_call_program"]
+
+
+@dataclass(frozen=True)
+class CodeTask:
+    """A Python function named ``f`` and argument expressions to call it with.
+
+    Attributes:
+        name: short identifier (for logs).
+        program: source defining ``f`` (standard library only).
+        inputs: argument lists as source text, e.g. ``"3"``, ``"'abc'"``, ``"[1, 2], 3"``.
+        source: ``"bank"`` for the built-in tasks, ``"proposer"`` for model-proposed ones.
+    """
+
+    name: str
+    program: str
+    inputs: tuple[str, ...]
+    source: str = "bank"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def call_program(program: str, argument: str) -> str:
+    """Program text that defines ``f`` and prints ``repr(f(<argument>))``: what the sandbox runs."""
+    return f"{program.rstrip()}\n\nprint(repr(f({argument})))\n"
+
+
+def batch_call_program(program: str, arguments: Sequence[str]) -> str:
+    """Program text that prints ``repr([f(a1), f(a2), ...])`` (function-induction checks, one run)."""
+    calls = ", ".join(f"f({a})" for a in arguments)
+    return f"{program.rstrip()}\n\nprint(repr([{calls}]))\n"
+
+
+def _t(name: str, program: str, *inputs: str) -> CodeTask:
+    return CodeTask(name=name, program=program.strip() + "\n", inputs=tuple(inputs))
+
+
+TASK_BANK: tuple[CodeTask, ...] = (
+    _t("affine", "def f(x):\n    return 3 * x + 1", "2", "5", "-4"),
+    _t("reverse", "def f(s):\n    return s[::-1]", "'abc'", "'racecar'", "'lit'"),
+    _t("sum_list", "def f(xs):\n    return sum(xs)", "[1, 2, 3]", "[10, -4]", "[]"),
+    _t("max_pair", "def f(a, b):\n    return a if a > b else b", "3, 9", "7, 2", "-1, -5"),
+    _t("count_vowels", "def f(s):\n    return sum(c in 'aeiou' for c in s)", "'banana'", "'sky'", "'queue'"),
+    _t("squares", "def f(n):\n    return [i * i for i in range(n)]", "4", "1", "6"),
+    _t("evens", "def f(xs):\n    return [x for x in xs if x % 2 == 0]", "[1, 2, 3, 4]", "[7, 9]", "[0, 10, 11]"),
+    _t("fib", "def f(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a", "5", "10", "1"),
+    _t("digits_sum", "def f(n):\n    return sum(int(d) for d in str(abs(n)))", "123", "9999", "-45"),
+    _t("upper_first", "def f(s):\n    return s[:1].upper() + s[1:]", "'hello'", "'x'", "'Abc'"),
+    _t("dedupe", "def f(xs):\n    seen = []\n    for x in xs:\n        if x not in seen:\n            seen.append(x)\n"
+       "    return seen", "[1, 1, 2, 3, 2]", "['a', 'b', 'a']", "[]"),
+    _t("word_count", "def f(s):\n    return len(s.split())", "'a b c'", "'  spaced   out '", "''"),
+    _t("clip", "def f(x, lo, hi):\n    return max(lo, min(hi, x))", "5, 0, 3", "-2, 0, 3", "2, 0, 3"),
+    _t("is_palindrome", "def f(s):\n    t = s.lower()\n    return t == t[::-1]", "'Level'", "'abc'", "''"),
+    _t("factorial", "def f(n):\n    out = 1\n    for i in range(2, n + 1):\n        out *= i\n    return out", "5", "0", "7"),
+    _t("zip_sum", "def f(a, b):\n    return [x + y for x, y in zip(a, b)]", "[1, 2], [3, 4]", "[5], [6, 7]", "[], []"),
+    _t("char_freq", "def f(s):\n    out = {}\n    for c in s:\n        out[c] = out.get(c, 0) + 1\n    return out",
+       "'hello'", "'aab'", "'z'"),
+    _t("running_sum", "def f(xs):\n    out, total = [], 0\n    for x in xs:\n        total += x\n        out.append(total)\n"
+       "    return out", "[1, 2, 3]", "[5, -5, 5]", "[0]"),
+    _t("gcd", "def f(a, b):\n    while b:\n        a, b = b, a % b\n    return a", "12, 18", "7, 5", "100, 75"),
+    _t("swap_case", "def f(s):\n    return s.swapcase()", "'AbC'", "'hello World'", "'123'"),
+    _t("nested_len", "def f(xs):\n    return [len(x) for x in xs]", "[[1, 2], [], [3]]", "['ab', 'c']", "[]"),
+    _t("binary", "def f(n):\n    return bin(n)[2:]", "5", "0", "255"),
+    _t("rotate", "def f(xs, k):\n    if not xs:\n        return xs\n    k %= len(xs)\n    return xs[k:] + xs[:k]",
+       "[1, 2, 3, 4], 1", "[1, 2, 3], 5", "[], 2"),
+    _t("mult_table", "def f(n):\n    return [[i * j for j in range(1, n + 1)] for i in range(1, n + 1)]", "2", "3", "1"),
+    _t("collatz_steps", "def f(n):\n    steps = 0\n    while n != 1:\n        n = n // 2 if n % 2 == 0 else 3 * n + 1\n"
+       "        steps += 1\n    return steps", "6", "1", "7"),
+    _t("join_words", "def f(words, sep):\n    return sep.join(sorted(words))", "['b', 'a', 'c'], '-'", "['x'], ','",
+       "[], '+'"),
+    _t("second_largest", "def f(xs):\n    ys = sorted(set(xs))\n    return ys[-2] if len(ys) > 1 else None",
+       "[3, 1, 4, 1, 5]", "[2, 2]", "[10, 20]"),
+    _t("caesar", "def f(s, k):\n    return ''.join(chr((ord(c) - 97 + k) % 26 + 97) if c.islower() else c for c in s)",
+       "'abc', 1", "'xyz', 3", "'Hi!', 2"),
+)
+
+
+class _TaskSampler(Dataset):
+    """``length`` seeded draws from the bank (a map-style dataset: reproducible and resumable)."""
+
+    def __init__(self, bank: Sequence[CodeTask], length: int, seed: int) -> None:
+        self.bank = list(bank)
+        self.length = int(length)
+        self.seed = int(seed)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> CodeTask:
+        return self.bank[random.Random(self.seed * 1_000_003 + int(index)).randrange(len(self.bank))]
+
+
+def _as_list(batch: list[CodeTask]) -> list[CodeTask]:
+    return batch
+
+
+class CodeTaskDataModule(pl.LightningDataModule):
+    """Batches of seed tasks from :data:`TASK_BANK` for CRSP (offline, deterministic).
+
+    Each batch is a ``list[CodeTask]``: the proposer is shown one as an example, and the solver and
+    critique roles fall back to it when a proposal is invalid.
+
+    Args:
+        tokenizer: unused (kept for the CLI's uniform ``DataModule(tokenizer, ...)`` contract).
+        batch_size: seed tasks per step.
+        num_samples: draws per epoch (the loader cycles through epochs as needed).
+        seed: sampling seed.
+        tasks: restrict the bank to these task names (``None``: all of it).
+
+    Raises:
+        ValueError: non-positive ``batch_size``/``num_samples``, or unknown names in ``tasks``.
+
+    Example::
+
+        dm = CodeTaskDataModule(tokenizer=None, batch_size=2)
+        dm.setup("fit")
+        batch = next(iter(dm.train_dataloader()))   # [CodeTask, CodeTask]
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        batch_size: int = 2,
+        num_samples: int = 10_000,
+        seed: int = 0,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if int(batch_size) < 1:
+            raise ValueError(f"data.batch_size must be a positive integer, got {batch_size!r}.")
+        if int(num_samples) < 1:
+            raise ValueError(f"data.num_samples must be a positive integer, got {num_samples!r}.")
+        names = {t.name for t in TASK_BANK}
+        if tasks is not None:
+            unknown = sorted(set(tasks) - names)
+            if unknown:
+                raise ValueError(f"data.tasks has unknown names {unknown}; choose from {sorted(names)}.")
+        self.tokenizer = tokenizer
+        self.batch_size = int(batch_size)
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.tasks = [t for t in TASK_BANK if tasks is None or t.name in set(tasks)]
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set = _TaskSampler(self.tasks, self.num_samples, self.seed)
+        self.val_set = _TaskSampler(self.tasks, max(self.batch_size, 8), self.seed + 1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=_as_list)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=_as_list)

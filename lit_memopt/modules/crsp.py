@@ -1,0 +1,580 @@
+"""CRSP (Cognition via Rewarded Self-Play): one policy proposes, solves and critiques code I/O tasks,
+trained per role with the TR-RPG loss on rewards decided by executing code in the sandbox."""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_memopt.data.code_tasks import TASK_BANK, CodeTask, batch_call_program, call_program
+from lit_memopt.models import lm_head_weight
+from lit_memopt.modules.rollout import (
+    Rollout,
+    generate,
+    is_peft_model,
+    reference_logprobs,
+    response_hidden_states,
+    scatter_response,
+)
+from lit_memopt.rewards.crsp_rewards import (
+    AlphaSchedule,
+    RunningNormalizer,
+    creativity_score,
+    critique_reward,
+    length_reward,
+    proposer_reward,
+    solver_reward,
+    think_text,
+)
+from lit_memopt.rewards.sandbox import VERDICTS, Sandbox, SandboxLimits
+
+__all__ = ["CRSPModule", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
+
+ROLES = ("propose", "solve", "critique")
+TASK_KINDS = ("output", "function")
+
+# Canonicalises a predicted output inside the sandbox: literal_eval never runs code, and even the
+# parsing of generated text happens outside the trainer.
+_CANONICAL = "import ast, sys\nprint(repr(ast.literal_eval(sys.stdin.read().strip())))\n"
+_CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+_INPUT_LINE = re.compile(r"^\s*Input:\s*(.+?)\s*$", re.MULTILINE)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_VERDICT = re.compile(r"verdict\s*:\s*(incorrect|correct)", re.IGNORECASE)
+_JUDGEMENT_WORD = re.compile(r"\b(incorrect|correct)\b", re.IGNORECASE)
+_MAX_FIELD_CHARS = 300
+
+
+# ------------------------------------------------------------------------------------ parsing
+# Pure string extraction: generated text is never evaluated in the trainer's process.
+def parse_program(text: str) -> str | None:
+    """The function ``f`` a response defines: its first fenced code block, else from ``def f(`` onwards."""
+    match = _CODE_BLOCK.search(text)
+    code = match.group(1) if match else None
+    if code is None:
+        start = text.find("def f(")
+        if start < 0:
+            return None
+        code = text[start:]
+        stop = _INPUT_LINE.search(code)
+        code = code[: stop.start()] if stop else code
+    return code if "def f(" in code else None
+
+
+def parse_proposal(text: str, max_inputs: int = 3) -> tuple[str, list[str]] | None:
+    """``(program, inputs)`` from a proposer response (a code block or ``def f(...)``, then ``Input:`` lines)."""
+    program = parse_program(text)
+    if program is None or len(program) > 4 * _MAX_FIELD_CHARS:
+        return None
+    inputs = [i for i in _INPUT_LINE.findall(text) if 0 < len(i) <= _MAX_FIELD_CHARS][: int(max_inputs)]
+    return (program, inputs) if inputs else None
+
+
+def parse_answer(text: str) -> str:
+    """A solver's predicted output: inside ``<answer>...</answer>``, else after ``</think>``, else the first line."""
+    match = _ANSWER.search(text)
+    if match:
+        answer = match.group(1)
+    else:
+        answer = text.split("</think>")[-1]
+    lines = [line.strip() for line in answer.strip().splitlines() if line.strip()]
+    return lines[0][:_MAX_FIELD_CHARS] if lines else ""
+
+
+def parse_judgement(text: str) -> bool | None:
+    """A critique's judgement: the last ``Verdict: correct|incorrect`` (else the last such word); ``None`` if absent."""
+    found = _VERDICT.findall(text) or _JUDGEMENT_WORD.findall(text)
+    if not found:
+        return None
+    return found[-1].lower() == "correct"
+
+
+# ------------------------------------------------------------------------------------ prompts
+def _propose_prompt(example: CodeTask, example_output: str) -> str:
+    return ("# Role: propose\n# Write a new Python function f and an input for it, like this example.\n"
+            f"```python\n{example.program}```\nInput: {example.inputs[0]}\n# Output: {example_output}\n# Your task:\n")
+
+
+def _solve_prompt(task: "_Task") -> str:
+    if task.kind == "output":
+        return ("# Role: solve\n# Predict the output of f(input); answer inside <answer></answer>.\n"
+                f"```python\n{task.program}```\nInput: {task.inputs[0]}\n")
+    pairs = "".join(f"Input: {i} -> Output: {o}\n" for i, o in zip(task.inputs, task.outputs))
+    return "# Role: solve\n# Write a Python function f with these input/output pairs, in a ```python block.\n" + pairs
+
+
+def _critique_prompt(task: "_Task", answer: str) -> str:
+    return ("# Role: critique\n# Is the proposed answer correct? End with 'Verdict: correct' or 'Verdict: incorrect'.\n"
+            + _solve_prompt(task).split("\n", 2)[2] + f"Proposed answer: {answer[:_MAX_FIELD_CHARS]}\n")
+
+
+@dataclass
+class _Task:
+    """A solvable task: the program, its inputs and their executed outputs (``repr`` strings)."""
+
+    program: str
+    inputs: list[str]
+    outputs: list[str]
+    kind: str
+    source: str
+    proposal: int | None = None  # index of the proposal it came from (None: task bank fallback)
+    answers: list[str] = field(default_factory=list)
+    correct: list[bool] = field(default_factory=list)
+
+
+class CRSPModule(pl.LightningModule):
+    """CRSP self-play on code input/output tasks: propose, solve, critique, each trained with TR-RPG.
+
+    Every step, one shared policy plays three roles, one after another:
+
+    1. **propose**: for each seed task of the batch (shown as an example), write a function ``f``
+       and input(s). The proposal is executed in the :class:`~lit_memopt.rewards.sandbox.Sandbox`;
+       it is valid when ``f(input)`` runs and prints a short output. An invalid proposal (the
+       common case for a small or untrained model) earns 0 and the seed task from the built-in
+       bank is used in its place, so the solver and critique roles always train.
+    2. **solve**: ``num_solver_samples`` answers per task. Task kind ``output``: predict
+       ``f(input)``; kind ``function`` (share ``function_task_ratio``): write ``f`` from
+       input/output pairs. Correctness is decided by execution (the prediction is canonicalised
+       with ``ast.literal_eval`` in the sandbox; a written ``f`` is run on every input).
+    3. **critique**: ``critiques_per_task`` solver answers per task are judged; the critique earns
+       agreement with the executed verdict plus a lexical creativity score.
+
+    Rewards (see :mod:`lit_memopt.rewards.crsp_rewards`): solver ``alpha_s * correct + (1 - alpha_s)
+    * length`` (log-length of the ``<think>`` span with an exponential penalty past a threshold);
+    critique ``alpha_c * agreement + (1 - alpha_c) * creativity``; proposer ``1 - solve_rate`` when
+    ``0 < solve_rate < 1``, else 0. ``(alpha_s, alpha_c)`` follow :class:`AlphaSchedule` over
+    ``global_step / max_steps``. Each role's rewards are standardised by its own running mean/std.
+
+    Loss: ``tr_rpg_loss(logp, logp_ref, reward, beta_role, mask=response tokens)`` per role, where
+    ``logp_ref`` comes from the reference policy, so the ``beta`` term regularises towards it (data
+    are on-policy: one update per rollout). The step's loss is the sum of the three role losses.
+
+    Memory: log-probs come from decoder hidden states through ``linear_logprobs`` (no ``[B, T, V]``
+    logits), reference log-probs without grad in micro-batches. With LoRA (``model.lora``) the
+    reference is the base model under ``disable_adapter()``, sharing every weight; without LoRA it
+    is a frozen copy of the initial policy (one more copy of the weights, announced at setup).
+    Roles are processed one after another and each in micro-batches of ``micro_batch_size``
+    sequences with a backward pass per micro-batch, so the autograd graph alive at any time is
+    that of one micro-batch of one role. This needs **manual optimization** (Lightning's automatic
+    optimization takes one loss per step): set ``trainer.gradient_clip_val=null`` and use this
+    module's ``gradient_clip_val``; OOM recovery for it comes through ``OOMRecovery``'s
+    manual-optimization helper. Micro-batch losses are weighted by their share of the role's
+    response tokens, so the gradient equals that of the whole role batch.
+
+    With ``role_adapters=True`` (needs LoRA) each role gets its own LoRA adapter (peft multi-adapter,
+    same base weights); the reference is still the adapter-free base.
+
+    Args:
+        model_config: what to build (``lit_memopt.models.ModelConfig``).
+        tokenizer: encodes prompts, decodes responses, counts ``<think>`` tokens.
+        lr, weight_decay, betas: AdamW settings.
+        beta_propose, beta_solve, beta_critique: TR-RPG regularisation per role.
+        clamp: TR-RPG bound on ``|log(pi / pi_ref)|``.
+        num_solver_samples: answers per task (the ``n`` of the solve rate), >= 1.
+        critiques_per_task: solver answers critiqued per task, in ``[1, num_solver_samples]``.
+        function_task_ratio: share of tasks of kind ``function`` (the rest predict outputs).
+        max_new_tokens_propose, max_new_tokens_solve, max_new_tokens_critique: response caps.
+        temperature: sampling temperature (the log-probs use the same).
+        micro_batch_size: sequences per forward/backward (and per reference pass).
+        length_max_tokens: ``L`` of the length reward.
+        length_penalty_threshold, length_penalty_scale: the length penalty (``None``: ``L`` and ``L / 2``).
+        alpha_breakpoints: ``[(progress, alpha_s, alpha_c), ...]`` (``None``: the CRSP defaults).
+        normalizer_eps: added to each role's running reward std.
+        sandbox_wall_time_s, sandbox_cpu_time_s, sandbox_memory_mb, sandbox_workers: sandbox limits.
+        max_output_chars: executed outputs longer than this make a proposal invalid.
+        gradient_clip_val: global-norm clip applied in the manual step (``None``: off).
+        role_adapters: one LoRA adapter per role.
+        chunk_size: fused-head tile (``None``: automatic).
+        seed: base seed of sampling and task-kind draws.
+
+    Raises:
+        ValueError: any argument outside its accepted range (named in the message), or
+            ``role_adapters`` without ``model.lora``.
+
+    Example::
+
+        module = CRSPModule(ModelConfig(arch={...}, lora={"r": 8}), tokenizer, num_solver_samples=4)
+        pl.Trainer(max_steps=20, gradient_clip_val=None).fit(module, datamodule=CodeTaskDataModule(tokenizer))
+    """
+
+    summary_keys = ("train/reward_propose", "train/reward_solve", "train/reward_critique", "train/solve_rate",
+                    "train/proposal_valid_rate", "train/sandbox_cache_hit_rate")
+
+    def __init__(
+        self,
+        model_config: Any,
+        tokenizer: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.99),
+        beta_propose: float = 0.01,
+        beta_solve: float = 0.05,
+        beta_critique: float = 0.1,
+        clamp: float = 2.3,
+        num_solver_samples: int = 4,
+        critiques_per_task: int = 2,
+        function_task_ratio: float = 0.5,
+        max_new_tokens_propose: int = 96,
+        max_new_tokens_solve: int = 32,
+        max_new_tokens_critique: int = 24,
+        temperature: float = 1.0,
+        micro_batch_size: int = 8,
+        length_max_tokens: int = 64,
+        length_penalty_threshold: int | None = None,
+        length_penalty_scale: float | None = None,
+        alpha_breakpoints: Sequence[Sequence[float]] | None = None,
+        normalizer_eps: float = 1e-6,
+        sandbox_wall_time_s: float = 3.0,
+        sandbox_cpu_time_s: float = 2.0,
+        sandbox_memory_mb: int = 512,
+        sandbox_workers: int = 4,
+        max_output_chars: int = 200,
+        gradient_clip_val: float | None = 1.0,
+        role_adapters: bool = False,
+        chunk_size: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("beta_propose", beta_propose), ("beta_solve", beta_solve), ("beta_critique", beta_critique)):
+            _check(value >= 0, name, value, ">= 0")
+        _check(lr > 0, "lr", lr, "> 0")
+        _check(clamp > 0, "clamp", clamp, "> 0")
+        _check(int(num_solver_samples) >= 1, "num_solver_samples", num_solver_samples, "an integer >= 1")
+        _check(1 <= int(critiques_per_task) <= int(num_solver_samples), "critiques_per_task", critiques_per_task,
+               f"in [1, num_solver_samples={num_solver_samples}]")
+        _check(0.0 <= function_task_ratio <= 1.0, "function_task_ratio", function_task_ratio, "in [0, 1]")
+        for name, value in (("max_new_tokens_propose", max_new_tokens_propose), ("max_new_tokens_solve", max_new_tokens_solve),
+                            ("max_new_tokens_critique", max_new_tokens_critique), ("micro_batch_size", micro_batch_size),
+                            ("max_output_chars", max_output_chars)):
+            _check(int(value) >= 1, name, value, "an integer >= 1")
+        _check(temperature > 0, "temperature", temperature, "> 0")
+        _check(int(length_max_tokens) > 1, "length_max_tokens", length_max_tokens, "an integer > 1")
+        _check(gradient_clip_val is None or gradient_clip_val > 0, "gradient_clip_val", gradient_clip_val, "> 0 or null")
+        if role_adapters and getattr(model_config, "lora", None) is None:
+            raise ValueError("module.role_adapters=true needs LoRA adapters: set model.lora (e.g. {r: 8}).")
+        self.save_hyperparameters(ignore=["model_config", "tokenizer"])
+        self.automatic_optimization = False
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.model = model_config.build_model()
+        if role_adapters:
+            self._add_role_adapters()
+        self.reference: torch.nn.Module | None = None
+        if not is_peft_model(self.model):
+            self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.alpha = AlphaSchedule(alpha_breakpoints)
+        self.normalizers = torch.nn.ModuleDict({role: RunningNormalizer(eps=normalizer_eps) for role in ROLES})
+        self.betas_by_role = {"propose": float(beta_propose), "solve": float(beta_solve), "critique": float(beta_critique)}
+        self.sandbox: Sandbox | None = None
+
+    # ------------------------------------------------------------------------------ set-up
+    def _add_role_adapters(self) -> None:
+        from peft import LoraConfig
+
+        base = self.model.peft_config["default"]
+        for role in ROLES:
+            self.model.add_adapter(role, LoraConfig(r=base.r, lora_alpha=base.lora_alpha, lora_dropout=base.lora_dropout,
+                                                    target_modules=base.target_modules, task_type="CAUSAL_LM"))
+
+    def setup(self, stage: str) -> None:
+        if self.sandbox is None:
+            hp = self.hparams
+            self.sandbox = Sandbox(SandboxLimits(wall_time_s=hp.sandbox_wall_time_s, cpu_time_s=hp.sandbox_cpu_time_s,
+                                                 memory_mb=hp.sandbox_memory_mb), max_workers=int(hp.sandbox_workers))
+        if stage == "fit":
+            clip = getattr(self.trainer, "gradient_clip_val", None) if self._trainer is not None else None
+            if clip is not None:
+                raise ValueError(f"CRSPModule uses manual optimization (one backward per micro-batch per role), which "
+                                 f"Lightning cannot clip for you: set trainer.gradient_clip_val=null (got {clip}) and "
+                                 f"use module.gradient_clip_val instead.")
+            reference = ("base weights under disable_adapter()" if self.reference is None
+                         else "a frozen copy of the initial policy (set model.lora to share the base weights instead)")
+            rank_zero_info(f"CRSPModule: reference policy = {reference}; sandbox isolation = {self.sandbox.isolation}.")
+
+    def teardown(self, stage: str) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+
+    def configure_optimizers(self) -> Any:
+        # All adapters' parameters: peft marks only the active adapter trainable at any moment.
+        if self.hparams.role_adapters:
+            params = [p for n, p in self.model.named_parameters() if "lora_" in n]
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay,
+                                 betas=tuple(self.hparams.betas))
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # A batch is a list of CodeTask (text only); prompts become tensors on the right device later.
+        return batch
+
+    # ------------------------------------------------------------------------------- helpers
+    def _use_role(self, role: str) -> None:
+        if self.hparams.role_adapters:
+            self.model.set_adapter(role)
+
+    def _seed(self, role: str) -> int:
+        return int(self.hparams.seed) * 1_000_003 + int(self.global_step) * 7919 + ROLES.index(role) * 131
+
+    def _generate(self, role: str, prompts: list[str], num_samples: int, max_new_tokens: int) -> tuple[Rollout, list[str]]:
+        self._use_role(role)
+        rollout = generate(self.model, prompts, tokenizer=self.tokenizer, num_samples=num_samples,
+                           max_new_tokens=max_new_tokens, temperature=self.hparams.temperature, seed=self._seed(role))
+        return rollout, rollout.decode_responses(self.tokenizer)
+
+    def _total_steps(self) -> int:
+        trainer = self._trainer
+        if trainer is None:
+            return 1
+        if trainer.max_steps and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        return max(1, int(trainer.estimated_stepping_batches))
+
+    def _think_tokens(self, text: str) -> int:
+        return len(self.tokenizer(think_text(text), add_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------------------------------ the roles
+    def _propose(self, batch: list[CodeTask]) -> tuple[Rollout, list[str], list[_Task | None], list[_Task]]:
+        """Proposer rollouts, the valid proposals (``None`` where invalid) and the bank fallback tasks."""
+        sandbox = self.sandbox
+        assert sandbox is not None
+        examples = sandbox.run_many([(call_program(t.program, t.inputs[0]), "") for t in batch])
+        prompts = [_propose_prompt(t, v.stdout.strip()) for t, v in zip(batch, examples)]
+        rollout, texts = self._generate("propose", prompts, 1, int(self.hparams.max_new_tokens_propose))
+        rng = random.Random(self._seed("solve"))
+        kinds = ["function" if rng.random() < self.hparams.function_task_ratio else "output" for _ in batch]
+
+        parsed = [parse_proposal(text) for text in texts]
+        jobs, owners = [], []
+        for i, item in enumerate(parsed):
+            if item is not None:
+                for argument in item[1]:
+                    jobs.append((call_program(item[0], argument), ""))
+                    owners.append(i)
+        verdicts = sandbox.run_many(jobs)
+        outputs: dict[int, list[tuple[str, str]]] = {}
+        broken: set[int] = set()
+        for i, verdict, (program, _) in zip(owners, verdicts, jobs):
+            out = verdict.stdout.strip()
+            if not verdict.ok or not out or len(out) > int(self.hparams.max_output_chars) or "\n" in out:
+                broken.add(i)
+        for i, item in enumerate(parsed):
+            if item is not None and i not in broken:
+                outputs[i] = []
+        for i, verdict, (job_program, _) in zip(owners, verdicts, jobs):
+            if i in outputs:
+                outputs[i].append(verdict.stdout.strip())
+
+        proposals: list[_Task | None] = []
+        for i, item in enumerate(parsed):
+            if i not in outputs:
+                proposals.append(None)
+                continue
+            kind = kinds[i] if len(item[1]) >= 2 else "output"  # induction needs several pairs
+            proposals.append(_Task(item[0], list(item[1]), outputs[i], kind, "proposer", proposal=i))
+
+        # Fallback tasks from the bank, outputs by execution as well (cache hits after the first step).
+        fallback_jobs = [(batch_call_program(t.program, t.inputs), "") for t in batch]
+        fallback: list[_Task] = []
+        for t, kind, verdict in zip(batch, kinds, sandbox.run_many(fallback_jobs)):
+            outs = _split_list_repr(verdict.stdout.strip(), len(t.inputs)) if verdict.ok else None
+            if outs is None:  # a broken bank task should never happen; make it loud rather than train on it
+                raise RuntimeError(f"task bank entry {t.name!r} failed in the sandbox: {verdict.status} {verdict.detail}")
+            fallback.append(_Task(t.program, list(t.inputs), outs, kind, "bank"))
+        return rollout, texts, proposals, fallback
+
+    def _check_answers(self, tasks: list[_Task]) -> None:
+        """Fill ``task.correct`` by execution (batched through the sandbox pool)."""
+        sandbox = self.sandbox
+        assert sandbox is not None
+        jobs, where = [], []
+        for ti, task in enumerate(tasks):
+            task.correct = [False] * len(task.answers)
+            for ai, answer in enumerate(task.answers):
+                if task.kind == "output":
+                    prediction = parse_answer(answer)
+                    if not prediction:
+                        continue
+                    if prediction == task.outputs[0]:  # the very text the executed program printed
+                        task.correct[ai] = True
+                        continue
+                    jobs.append((_CANONICAL, prediction, task.outputs[0]))
+                else:
+                    program = parse_program(answer)
+                    if program is None:
+                        continue
+                    jobs.append((batch_call_program(program, task.inputs), "", "[" + ", ".join(task.outputs) + "]"))
+                where.append((ti, ai))
+        for (ti, ai), verdict in zip(where, sandbox.run_many(jobs)):
+            tasks[ti].correct[ai] = verdict.ok
+
+    # ---------------------------------------------------------------------------------- loss
+    def _role_backward(self, role: str, rollout: Rollout, rewards: torch.Tensor) -> torch.Tensor:
+        """TR-RPG loss of one role, backpropagated micro-batch by micro-batch; returns its value."""
+        from lit_memopt.ops import linear_logprobs, tr_rpg_loss
+
+        hp = self.hparams
+        self._use_role(role)
+        ids, attn, resp = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+        counted = resp.clone()
+        counted[:, 0] = False
+        total = int(counted.sum())
+        if total == 0:
+            return torch.zeros((), device=ids.device)
+        mb = int(hp.micro_batch_size)
+        ref = reference_logprobs(self.model, ids, attn, resp, reference_model=self.reference,
+                                 temperature=hp.temperature, micro_batch_size=mb, chunk_size=hp.chunk_size)
+        advantages = self.normalizers[role].normalize(rewards.to(ids.device, torch.float32))
+        weight = lm_head_weight(self.model)
+        value = torch.zeros((), device=ids.device)
+        for start in range(0, ids.shape[0], mb):
+            rows = slice(start, start + mb)
+            share = int(counted[rows].sum()) / total
+            if share == 0:
+                continue
+            hidden, targets, positions = response_hidden_states(self.model, ids[rows], attn[rows], resp[rows])
+            logp = scatter_response(linear_logprobs(hidden, weight, targets, temperature=hp.temperature,
+                                                    chunk_size=hp.chunk_size), positions)
+            loss = tr_rpg_loss(logp, ref[rows], advantages[rows], self.betas_by_role[role], mask=positions,
+                               clamp=hp.clamp) * share
+            self.manual_backward(loss)
+            value = value + loss.detach()
+        return value
+
+    # ---------------------------------------------------------------------------------- step
+    def training_step(self, batch: list[CodeTask], batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        optimizer = self.optimizers()
+        sandbox = self.sandbox
+        assert sandbox is not None
+        sandbox.reset_stats()
+        alpha_s, alpha_c = self.alpha.at_step(self.global_step, self._total_steps())
+        optimizer.zero_grad(set_to_none=True)
+        device = self.device
+
+        # 1. propose (+ execution of the proposals)
+        p_rollout, _, proposals, fallback = self._propose(batch)
+        tasks = [p if p is not None else f for p, f in zip(proposals, fallback)]
+
+        # 2. solve
+        n = int(hp.num_solver_samples)
+        s_rollout, s_texts = self._generate("solve", [_solve_prompt(t) for t in tasks], n, int(hp.max_new_tokens_solve))
+        for i, task in enumerate(tasks):
+            task.answers = s_texts[i * n:(i + 1) * n]
+        self._check_answers(tasks)
+        solve_rewards = []
+        for task in tasks:
+            for answer, correct in zip(task.answers, task.correct):
+                length = length_reward(self._think_tokens(answer), int(hp.length_max_tokens),
+                                       penalty_threshold=hp.length_penalty_threshold, penalty_scale=hp.length_penalty_scale)
+                solve_rewards.append(solver_reward(float(correct), length, alpha_s))
+        propose_rewards = [proposer_reward(sum(t.correct), n) if p is not None else 0.0 for p, t in zip(proposals, tasks)]
+
+        # 3. critique
+        k = int(hp.critiques_per_task)
+        c_prompts, c_truth, c_group = [], [], []
+        for ti, task in enumerate(tasks):
+            for ai in range(k):
+                shown = parse_answer(task.answers[ai]) if task.kind == "output" else (parse_program(task.answers[ai]) or
+                                                                                     task.answers[ai].strip())
+                c_prompts.append(_critique_prompt(task, shown))
+                c_truth.append(task.correct[ai])
+                c_group.append(ti)
+        c_rollout, c_texts = self._generate("critique", c_prompts, 1, int(hp.max_new_tokens_critique))
+        critique_rewards, agreements = [], []
+        for i, text in enumerate(c_texts):
+            siblings = [c_texts[j] for j in range(len(c_texts)) if c_group[j] == c_group[i] and j != i]
+            judged = parse_judgement(text)
+            agrees = float(judged is not None and judged == c_truth[i])
+            agreements.append(agrees)
+            critique_rewards.append(critique_reward(agrees, creativity_score(text, siblings), alpha_c))
+
+        # 4. losses, role after role (each backpropagated in micro-batches), one optimizer step
+        rewards = {
+            "propose": torch.tensor(propose_rewards, dtype=torch.float32),
+            "solve": torch.tensor(solve_rewards, dtype=torch.float32),
+            "critique": torch.tensor(critique_rewards, dtype=torch.float32),
+        }
+        rollouts = {"propose": p_rollout, "solve": s_rollout, "critique": c_rollout}
+        losses = {role: self._role_backward(role, rollouts[role], rewards[role]) for role in ROLES}
+        if hp.gradient_clip_val is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=hp.gradient_clip_val, gradient_clip_algorithm="norm")
+        optimizer.step()
+
+        # 5. logs
+        bs = len(batch)
+        total_loss = sum(losses.values())
+        solved = [c for t in tasks for c in t.correct]
+        self.log("train/loss", total_loss, prog_bar=True, batch_size=bs)
+        for role in ROLES:
+            self.log(f"train/loss_{role}", losses[role], batch_size=bs)
+            self.log(f"train/reward_{role}", rewards[role].mean().to(device), prog_bar=role == "solve", batch_size=bs)
+        self.log("train/solve_rate", torch.tensor(sum(solved) / max(1, len(solved)), device=device), prog_bar=True,
+                 batch_size=bs)
+        self.log("train/proposal_valid_rate", torch.tensor(sum(p is not None for p in proposals) / bs, device=device),
+                 batch_size=bs)
+        self.log("train/critique_agreement", torch.tensor(sum(agreements) / max(1, len(agreements)), device=device),
+                 batch_size=bs)
+        self.log("train/alpha_s", torch.tensor(alpha_s, device=device), batch_size=bs)
+        self.log("train/alpha_c", torch.tensor(alpha_c, device=device), batch_size=bs)
+        for name, count in sandbox.verdict_counts.items():
+            self.log(f"train/sandbox_{name}", torch.tensor(float(count), device=device), batch_size=bs)
+        self.log("train/sandbox_cache_hit_rate", torch.tensor(sandbox.cache_hit_rate, device=device), batch_size=bs)
+        return total_loss
+
+    def validation_step(self, batch: list[CodeTask], batch_idx: int) -> None:
+        """Solve rate of the output-prediction task on bank tasks (one sample each)."""
+        sandbox = self.sandbox
+        assert sandbox is not None
+        verdicts = sandbox.run_many([(batch_call_program(t.program, t.inputs), "") for t in batch])
+        tasks = [_Task(t.program, list(t.inputs), _split_list_repr(v.stdout.strip(), len(t.inputs)) or [""], "output", "bank")
+                 for t, v in zip(batch, verdicts)]
+        _, texts = self._generate("solve", [_solve_prompt(t) for t in tasks], 1, int(self.hparams.max_new_tokens_solve))
+        for task, text in zip(tasks, texts):
+            task.answers = [text]
+        self._check_answers(tasks)
+        rate = sum(t.correct[0] for t in tasks) / len(tasks)
+        self.log("val/solve_rate", torch.tensor(rate, device=self.device), batch_size=len(batch), sync_dist=True)
+
+
+def _split_list_repr(text: str, count: int) -> list[str] | None:
+    """Split ``repr([a, b, ...])`` printed by the sandbox into the items' reprs (no eval).
+
+    Items are separated at top-level ``", "``; brackets and quotes are tracked so nested values
+    and strings with commas survive. Returns ``None`` when the count does not match.
+    """
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    body, items, depth, quote, start, i = text[1:-1], [], 0, None, 0, 0
+    while i < len(body):
+        ch = body[i]
+        if quote:
+            if ch == "\\":
+                i += 2
+                continue
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(body[start:i].strip())
+            start = i + 1
+        i += 1
+    if body.strip():
+        items.append(body[start:].strip())
+    return items if len(items) == count else None
+
+
+def _check(ok: bool, name: str, value: Any, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"module.{name} must be {accepted}, got {value!r}.")
