@@ -12,7 +12,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import lit_memopt
 
@@ -203,19 +203,32 @@ def _explain_compose_error(exc: Exception, overrides: Sequence[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- running
-def _instantiate_run(cfg: Any) -> tuple[Any, Any, Any, list[Any], Any]:
-    """Build model config, tokenizer, data, module, callbacks and logger from a composed config."""
+class RunObjects(NamedTuple):
+    model_config: Any
+    tokenizer: Any
+    datamodule: Any
+    module: Any
+    callbacks: list[Any]
+    logger: Any
+
+
+def instantiate_run(cfg: Any) -> RunObjects:
+    """Build model config, tokenizer, data, module, callbacks and logger from a composed config.
+
+    Objects are passed to the targets after instantiation (``_partial_``): Hydra would otherwise
+    turn a dataclass argument such as ``ModelConfig`` back into a config node.
+    """
     from hydra.utils import instantiate
 
     if "module" not in cfg or cfg.module is None:
         raise UsageError("the config has no 'module' section; pick a recipe with recipe=NAME.")
     model_config = instantiate(cfg.model)
     tokenizer = model_config.build_tokenizer()
-    datamodule = instantiate(cfg.data, tokenizer=tokenizer)
-    module = instantiate(cfg.module, model_config=model_config, tokenizer=tokenizer)
+    datamodule = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer)
+    module = instantiate(cfg.module, _partial_=True)(model_config=model_config, tokenizer=tokenizer)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    return model_config, datamodule, module, callbacks, logger
+    return RunObjects(model_config, tokenizer, datamodule, module, callbacks, logger)
 
 
 def _user_error_message(exc: BaseException) -> str | None:
@@ -227,8 +240,6 @@ def _user_error_message(exc: BaseException) -> str | None:
         cause = cause.__cause__
     if isinstance(cause, (UsageError, ValueError, FileNotFoundError)):
         return str(cause)
-    if isinstance(exc, InstantiationException):
-        return str(exc).splitlines()[0]
     return None
 
 
@@ -247,7 +258,8 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     if ckpt_path and not Path(str(ckpt_path)).is_file():
         raise UsageError(f"ckpt_path={ckpt_path!r} is not a file; give the path of a .ckpt written by a fit run.")
 
-    _, datamodule, module, callbacks, logger = _instantiate_run(cfg)
+    run = instantiate_run(cfg)
+    datamodule, module, callbacks = run.datamodule, run.module, run.callbacks
     summary = RunSummary()
     callbacks.append(summary)
     if cfg.trainer.get("enable_checkpointing", True):
@@ -256,7 +268,7 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
         )
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(pl.callbacks.RichProgressBar(leave=True))
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    trainer = instantiate(cfg.trainer, _partial_=True)(callbacks=callbacks, logger=run.logger)
 
     started = time.perf_counter()
     if command == "fit":
