@@ -38,6 +38,8 @@ class GradeOutput:
         tokens: the hard tokens (argmax of each soft token) ``[B, T]``.
         soft_entropy: entropy of each soft token's weights ``[B, T]`` (0 under straight-through).
         policy_entropy: entropy of the policy's next-token distribution ``[B, T]``.
+        weights: the soft tokens' weights ``[B, T, k]`` (``k = V`` in legacy mode).
+        ids: the token ids those weights belong to ``[B, T, k]``.
     """
 
     loss: Tensor
@@ -46,10 +48,18 @@ class GradeOutput:
     tokens: Tensor
     soft_entropy: Tensor
     policy_entropy: Tensor
+    weights: Tensor
+    ids: Tensor
 
 
 def _head_bias(model: nn.Module) -> Tensor | None:
     return getattr(model.get_output_embeddings(), "bias", None)
+
+
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One position's logits, at least in fp32 (Gumbel noise on bf16 logits would be coarse)."""
+    logits = F.linear(hidden, weight, bias)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def _step_seed(noise_seed: int, step: int, batch_idx: int) -> int:
@@ -335,7 +345,7 @@ class GradeModule(pl.LightningModule):
         weights_steps, ids_steps, kl_steps, tokens, soft_entropy, policy_entropy = [], [], [], [], [], []
         for t in range(steps):
             # Only this position's [B, V] logits exist, and only until top-k has picked from them.
-            logits = F.linear(hidden, weight, bias).float()
+            logits = _logits(hidden, weight, bias)
             weights, ids = topk_gumbel_softmax(logits, tau, k, hard=bool(hp.hard), generator=generator)
             del logits
             kl_steps.append(linear_kl(hidden, weight, ref_hidden, ref_weight, bias=bias, ref_bias=ref_bias))
@@ -360,15 +370,14 @@ class GradeModule(pl.LightningModule):
                 ).last_hidden_state[:, -1]
         del chunks, ref_cache
 
-        reward_embeds = soft_embedding(
-            torch.stack(weights_steps, dim=1), torch.stack(ids_steps, dim=1), self.reward_model.get_input_embeddings().weight
-        )
-        reward = self._reward(reward_embeds)
+        all_weights, all_ids = torch.stack(weights_steps, dim=1), torch.stack(ids_steps, dim=1)
+        reward = self._reward(soft_embedding(all_weights, all_ids, self.reward_model.get_input_embeddings().weight))
         kl = torch.stack(kl_steps, dim=1)
         loss = -reward.mean() + float(hp.kl_coef) * kl.mean()
         return GradeOutput(
             loss=loss, reward=reward, kl=kl, tokens=torch.stack(tokens, dim=1),
             soft_entropy=torch.stack(soft_entropy, dim=1), policy_entropy=torch.stack(policy_entropy, dim=1),
+            weights=all_weights, ids=all_ids,
         )
 
     def _legacy(self, input_ids: Tensor, attention_mask: Tensor, tau: float, generator: torch.Generator | None) -> GradeOutput:
@@ -388,12 +397,12 @@ class GradeModule(pl.LightningModule):
         for t in range(steps):
             # The original recipe: no KV cache, the whole sequence again at every step.
             hidden = self._maybe_checkpoint(self._policy_full, embeds, mask, positions)
-            logits = F.linear(hidden, weight, bias).float()
+            logits = _logits(hidden, weight, bias)
             with self._reference_mode() as reference:
                 ref_hidden = decoder_of(reference)(
                     input_ids=ids_so_far, attention_mask=mask, position_ids=positions, use_cache=False
                 ).last_hidden_state[:, -1]
-                ref_logits = F.linear(ref_hidden, ref_weight, ref_bias).float()
+                ref_logits = _logits(ref_hidden, ref_weight, ref_bias)
             weights, ids = topk_gumbel_softmax(logits, tau, vocab, hard=bool(hp.hard), generator=generator)
             soft = logits.new_zeros(batch, vocab).scatter(-1, ids, weights)
             logits_steps.append(logits)
@@ -422,6 +431,7 @@ class GradeModule(pl.LightningModule):
         return GradeOutput(
             loss=loss, reward=reward, kl=kl, tokens=soft_all.argmax(dim=-1),
             soft_entropy=soft_entropy, policy_entropy=policy_entropy,
+            weights=soft_all, ids=torch.arange(vocab, device=soft_all.device).expand_as(soft_all),
         )
 
     # ------------------------------------------------------------------ Lightning hooks
