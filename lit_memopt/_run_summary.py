@@ -25,11 +25,20 @@ class RunSummary(pl.Callback):
         self.window = window
         self.history: dict[str, list[float]] = {}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
         for key in getattr(pl_module, "summary_keys", ()):
+            if not key.startswith(prefix):
+                continue
             value = _scalar(trainer.callback_metrics.get(key))
             if value is not None:
                 self.history.setdefault(key, []).append(value)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._record(trainer, pl_module, "train/")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._record(trainer, pl_module, "val/")
 
     def collect(self, trainer: pl.Trainer, module: pl.LightningModule, *, run_dir: Path, seconds: float, command: str) -> dict[str, Any]:
         metrics = {}
