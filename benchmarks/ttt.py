@@ -1,0 +1,275 @@
+"""TTT scan checkpointing: peak memory of a training step with vs without it, and the step-time cost.
+
+* Fake tensors (no memory, no GPU): the 125M TTT-Linear configuration (``conf/model/ttt_125m.yaml``)
+  at sequence 2048, forward + backward of the next-token loss, peaks from ``MemTracker``.
+* Real tensors on the CPU: the tiny model (``conf/model/ttt_tiny.yaml`` widths) at a longer
+  sequence, peak live-tensor bytes from ``MemTracker`` and the step-time ratio, interleaved in one run.
+
+Writes ``benchmarks/results/ttt_cpu[_quick].{md,json}``. Run ``python benchmarks/ttt.py [--quick]``
+or call :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # `python benchmarks/ttt.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lit_memopt.memory.fake import fake_mode, peak_during  # noqa: E402
+from lit_memopt.models.ttt import TTTConfig, auto_checkpoint_group_size  # noqa: E402
+from lit_memopt.ops import linear_logprobs  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MEMORY_TARGET = 0.5  # checkpointed peak <= 0.5x of the plain scan's
+TIME_TARGET = 1.25  # checkpointed step time <= 1.25x
+
+CONFIG_125M = dict(
+    name="ttt_125m", vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12,
+    intermediate_size=2048, layer_type="linear", mini_batch_size=16,
+)
+FAKE_SHAPE = {"batch": 8, "seq_len": 2048}
+FAKE_SHAPE_QUICK = {"batch": 2, "seq_len": 2048}
+CONFIG_TINY = dict(
+    name="ttt_tiny", vocab_size=384, hidden_size=128, num_layers=2, num_heads=4,
+    intermediate_size=256, layer_type="linear", mini_batch_size=8,
+)
+REAL_SHAPE = {"batch": 8, "seq_len": 1024}
+REAL_SHAPE_QUICK = {"batch": 4, "seq_len": 256}
+
+
+def _train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    hidden = model(input_ids)
+    loss = -linear_logprobs(hidden[:, :-1], model.lm_head_weight, input_ids[:, 1:]).mean()
+    loss.backward()
+
+
+def _set_group(model: torch.nn.Module, group: int) -> None:
+    for layer in model.ttt_layers():
+        layer.checkpoint_group_size = group
+
+
+def memory_saving_group(config: TTTConfig, batch: int, seq_len: int) -> int:
+    """The group size :func:`auto_checkpoint_group_size` picks when memory is short (its memory minimum)."""
+    from lit_memopt.models.ttt import ttt_layer_class
+
+    probe = ttt_layer_class(config.layer_type)(config.hidden_size, config.num_heads, mini_batch_size=config.mini_batch_size)
+    per_mb = 4 * batch * probe.num_heads * probe._saved_floats_per_mini_batch(config.mini_batch_size)
+    state = 4 * batch * sum(p.numel() for p in probe.inner_parameters())
+    return auto_checkpoint_group_size(
+        seq_len // config.mini_batch_size, per_mb, state, num_layers=config.num_layers, available_bytes=0
+    )
+
+
+def measure_fake(config: TTTConfig, shape: dict[str, int], groups: list[int]) -> list[dict[str, Any]]:
+    """Peak bytes of forward + backward under fake tensors for each ``checkpoint_group_size``."""
+    rows = []
+    with fake_mode():
+        model = config.build_model()
+        params = sum(p.numel() for p in model.parameters())
+        input_ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq_len"]))
+        for group in groups:
+            _set_group(model, group)
+            stats = peak_during(lambda: _train_step(model, input_ids), model)
+            model.zero_grad(set_to_none=True)
+            rows.append(
+                {
+                    "checkpoint_group_size": group,
+                    "parameters": params,
+                    "peak_bytes": stats.peak_bytes,
+                    "extra_bytes": stats.extra_bytes,
+                    "activation_bytes": int(stats.by_category.get("Activation", 0)),
+                }
+            )
+    return _with_ratios(rows)
+
+
+def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    base = rows[0]
+    for row in rows:
+        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+        row["extra_ratio"] = row["extra_bytes"] / base["extra_bytes"]
+    return rows
+
+
+def measure_real(config: TTTConfig, shape: dict[str, int], group: int, reps: int) -> dict[str, Any]:
+    """Real CPU tensors: MemTracker peaks and interleaved step times, plain scan vs checkpointed."""
+    torch.manual_seed(0)
+    model = config.build_model()
+    input_ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq_len"]))
+    rows = []
+    for g in (0, group):
+        _set_group(model, g)
+        stats = peak_during(lambda: _train_step(model, input_ids), model)
+        model.zero_grad(set_to_none=True)
+        rows.append({"checkpoint_group_size": g, "peak_bytes": stats.peak_bytes, "extra_bytes": stats.extra_bytes})
+    rows = _with_ratios(rows)
+    # gradients must agree exactly: checkpointing recomputes the same operations
+    grads = []
+    for g in (0, group):
+        _set_group(model, g)
+        _train_step(model, input_ids)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    identical = all(torch.equal(a, b) for a, b in zip(*grads))
+    times: dict[int, list[float]] = {0: [], group: []}
+    for g in (0, group):  # warm-up
+        _set_group(model, g)
+        _train_step(model, input_ids)
+        model.zero_grad(set_to_none=True)
+    for _ in range(reps):
+        for g in (0, group):  # interleaved so that machine load hits both alike
+            _set_group(model, g)
+            gc.collect()
+            start = time.perf_counter()
+            _train_step(model, input_ids)
+            times[g].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    plain, ckpt = statistics.median(times[0]), statistics.median(times[group])
+    rows[0]["step_s"], rows[1]["step_s"] = plain, ckpt
+    return {
+        "rows": rows,
+        "time_ratio": ckpt / plain,
+        "gradients_identical": identical,
+        "reps": reps,
+    }
+
+
+def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
+    """Run both measurements; write ``results/ttt_cpu[_quick].{md,json}`` and return the data."""
+    fake_shape = FAKE_SHAPE_QUICK if quick else FAKE_SHAPE
+    real_shape = REAL_SHAPE_QUICK if quick else REAL_SHAPE
+    big = TTTConfig(**CONFIG_125M)
+    tiny = TTTConfig(**CONFIG_TINY)
+    big_group = memory_saving_group(big, **fake_shape)
+    tiny_group = memory_saving_group(tiny, **real_shape)
+    groups = [0, big_group] if quick else sorted({0, 1, 4, big_group, 32})
+    result: dict[str, Any] = {
+        "benchmark": "ttt",
+        "quick": quick,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "memory_target": MEMORY_TARGET,
+        "time_target": TIME_TARGET,
+        "memory_fake": {
+            "config": CONFIG_125M,
+            "shape": fake_shape,
+            "dtype": "float32",
+            "chosen_group": big_group,
+            "rows": measure_fake(big, fake_shape, groups),
+        },
+        "real_cpu": {
+            "config": CONFIG_TINY,
+            "shape": real_shape,
+            "dtype": "float32",
+            "chosen_group": tiny_group,
+            **measure_real(tiny, real_shape, tiny_group, reps=3 if quick else 7),
+        },
+    }
+    chosen = next(r for r in result["memory_fake"]["rows"] if r["checkpoint_group_size"] == big_group)
+    result["summary"] = {
+        "fake_125m_peak_ratio": chosen["peak_ratio"],
+        "fake_125m_extra_ratio": chosen["extra_ratio"],
+        "real_tiny_peak_ratio": result["real_cpu"]["rows"][1]["peak_ratio"],
+        "real_tiny_extra_ratio": result["real_cpu"]["rows"][1]["extra_ratio"],
+        "cpu_time_ratio": result["real_cpu"]["time_ratio"],
+        "memory_target_met": chosen["peak_ratio"] <= MEMORY_TARGET,
+        "time_target_met": result["real_cpu"]["time_ratio"] <= TIME_TARGET,
+    }
+    if write:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        stem = "ttt_cpu" + ("_quick" if quick else "")
+        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
+        result["written"] = [str(RESULTS_DIR / f"{stem}.md"), str(RESULTS_DIR / f"{stem}.json")]
+    return result
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1024**2:.1f}"
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    fake, real, summary = result["memory_fake"], result["real_cpu"], result["summary"]
+    lines = [
+        "# TTT: scan checkpointing vs the plain scan",
+        "",
+        f"torch {result['torch']}, {result['platform']}, {result['threads']} threads"
+        + (" (quick run)" if result["quick"] else ""),
+        "",
+        f"## Peak memory, 125M TTT-Linear ({fake['rows'][0]['parameters'] / 1e6:.0f}M parameters), fake tensors",
+        "",
+        f"Forward + backward of the next-token loss, batch {fake['shape']['batch']} x sequence "
+        f"{fake['shape']['seq_len']}, {fake['dtype']}, mini-batch 16 ({fake['shape']['seq_len'] // 16} mini-batches per layer). "
+        "Peak = all live tensors (parameters included); extra = peak minus what was live before the step "
+        "(activations, temporaries, gradients). Group 0 = no checkpointing. "
+        f"The memory-minimising group size is {fake['chosen_group']}.",
+        "",
+        "| checkpoint_group_size | peak GiB | extra GiB | activations GiB | peak ratio | extra ratio |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in fake["rows"]:
+        lines.append(
+            f"| {r['checkpoint_group_size']} | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | "
+            f"{_gib(r['activation_bytes'])} | {r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} |"
+        )
+    lines += [
+        "",
+        f"## Real tensors on the CPU: tiny model, batch {real['shape']['batch']} x sequence {real['shape']['seq_len']}",
+        "",
+        f"Peaks of live tensor bytes (MemTracker) and the median step time of {real['reps']} interleaved repetitions. "
+        f"Gradients identical with and without checkpointing: {real['gradients_identical']}.",
+        "",
+        "| checkpoint_group_size | peak MiB | extra MiB | peak ratio | extra ratio | step s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in real["rows"]:
+        lines.append(
+            f"| {r['checkpoint_group_size']} | {_mib(r['peak_bytes'])} | {_mib(r['extra_bytes'])} | "
+            f"{r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} | {r['step_s']:.3f} |"
+        )
+    lines += [
+        "",
+        "## Summary",
+        "",
+        f"- 125M peak ratio (group {fake['chosen_group']}): **{summary['fake_125m_peak_ratio']:.3f}** "
+        f"(extra {summary['fake_125m_extra_ratio']:.3f}); target <= {result['memory_target']}: "
+        f"{'met' if summary['memory_target_met'] else 'NOT met'}",
+        f"- tiny model, real tensors: peak ratio {summary['real_tiny_peak_ratio']:.3f}, extra ratio {summary['real_tiny_extra_ratio']:.3f}",
+        f"- CPU step-time ratio: **{summary['cpu_time_ratio']:.3f}**; target <= {result['time_target']}: "
+        f"{'met' if summary['time_target_met'] else 'NOT met'}",
+        "- No CUDA device in this run: GPU timings were not measured.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller batch and fewer repetitions")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    print(to_markdown(result))
+    for path in result.get("written", []):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
