@@ -1,0 +1,216 @@
+"""Synthetic short-reasoning prompts (arithmetic, comparisons, string copy/reversal) with an exact-answer
+checker, generated offline from a seed: the prompt set of the RL recipes (Intuitor)."""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+TASKS = ("add", "sub", "mul", "max", "copy", "reverse")
+TASK_GROUPS = {"arithmetic": ("add", "sub", "mul", "max"), "strings": ("copy", "reverse"), "mixed": TASKS}
+PROMPT_STYLES = ("compact", "instruct")
+
+_LETTERS = "abcdefghij"
+_NUMBER = re.compile(r"-?\d+")
+_WORD = re.compile(r"[a-z]+")
+
+
+def make_problem(rng: random.Random, task: str, max_operand: int = 20, max_word_length: int = 5) -> tuple[str, str]:
+    """One ``(question, answer)`` pair, e.g. ``("12+7", "19")`` or ``("reverse abc", "cba")``."""
+    if task in ("add", "sub", "mul", "max"):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        if task == "add":
+            return f"{a}+{b}", str(a + b)
+        if task == "sub":
+            a, b = max(a, b), min(a, b)  # keep answers non-negative: one fewer thing for a small model to learn
+            return f"{a}-{b}", str(a - b)
+        if task == "mul":
+            a, b = a % 10, b % 10
+            return f"{a}*{b}", str(a * b)
+        return f"max({a},{b})", str(max(a, b))
+    if task in ("copy", "reverse"):
+        word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, max_word_length)))
+        return f"{task} {word}", word if task == "copy" else word[::-1]
+    raise ValueError(f"unknown task {task!r}; use one of {list(TASKS)}.")
+
+
+def format_prompt(question: str, style: str = "compact") -> str:
+    """The text the model continues: ``compact`` for byte-level tiny models, ``instruct`` for real checkpoints."""
+    if style == "compact":
+        return f"{question}="
+    if style == "instruct":
+        return (
+            "Solve the problem. Think briefly, then give the final result on its own line as 'Answer: <result>'.\n"
+            f"Problem: {question}\n"
+        )
+    raise ValueError(f"prompt style {style!r} is not supported; use one of {list(PROMPT_STYLES)}.")
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer in a response: the text after the last ``Answer:`` when present, else the whole
+    response; from it the first integer (numeric answers) or first lowercase word. ``None`` if nothing."""
+    text = response
+    marker = text.lower().rfind("answer:")
+    if marker >= 0:
+        text = text[marker + len("answer:") :]
+    text = text.strip().lower()
+    number = _NUMBER.match(text)
+    if number:
+        return number.group(0)
+    word = _WORD.match(text)
+    return word.group(0) if word else None
+
+
+def answer_is_correct(response: str, answer: str) -> float:
+    """1.0 when the answer extracted from ``response`` equals ``answer`` exactly, else 0.0."""
+    return float(extract_answer(response) == answer.strip().lower())
+
+
+class _PromptDataset(Dataset):
+    def __init__(self, prompts: list[str], answers: list[str], token_ids: list[list[int]]) -> None:
+        self.prompts, self.answers, self.token_ids = prompts, answers, token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"prompt": self.prompts[i], "answer": self.answers[i], "ids": self.token_ids[i]}
+
+
+class _LeftPadCollate:
+    """Batches prompts left-padded to the longest in the batch, so generation continues every prompt."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        length = max(len(item["ids"]) for item in items)
+        input_ids = torch.full((len(items), length), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(items), length), dtype=torch.long)
+        for row, item in enumerate(items):
+            n = len(item["ids"])
+            input_ids[row, length - n :] = torch.tensor(item["ids"], dtype=torch.long)
+            attention_mask[row, length - n :] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "prompts": [item["prompt"] for item in items],
+            "answers": [item["answer"] for item in items],
+        }
+
+
+class ReasoningPromptsDataModule(LightningDataModule):
+    """Short reasoning prompts with known answers, generated from a seed (no downloads).
+
+    Batches are dicts: ``input_ids`` and ``attention_mask`` (``[B, P]``, left-padded), ``prompts``
+    (texts) and ``answers`` (reference answers). RL modules sample responses to the prompts; the
+    ``checker`` attribute (:func:`answer_is_correct`) scores a response against its answer, for
+    logging accuracy or as a verifiable reward.
+
+    Args:
+        tokenizer: any Hugging Face tokenizer (prompts are encoded without special tokens).
+        task: one task (``add``, ``sub``, ``mul``, ``max``, ``copy``, ``reverse``) or a group
+            (``arithmetic``, ``strings``, ``mixed``).
+        prompt_style: ``compact`` (``12+7=``, for tiny byte-level models) or ``instruct`` (a one-line
+            instruction asking for ``Answer: <result>``, for real checkpoints).
+        num_train: training prompts.
+        num_val: validation prompts.
+        batch_size: prompts per loader batch (each becomes ``num_samples`` rollouts in the module).
+        max_operand: largest operand of the arithmetic tasks.
+        max_word_length: longest word of the string tasks.
+        seed: generator seed; the same seed gives the same prompts.
+        num_workers: DataLoader worker processes.
+
+    Raises:
+        ValueError: on an unknown ``task`` or ``prompt_style``, or a non-positive size.
+
+    Example::
+
+        dm = ReasoningPromptsDataModule(tokenizer, task="arithmetic", batch_size=4)
+        batch = next(iter(dm.train_dataloader()))
+        dm.checker("19", batch["answers"][0])
+    """
+
+    checker: Callable[[str, str], float] = staticmethod(answer_is_correct)
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        task: str = "mixed",
+        prompt_style: str = "compact",
+        num_train: int = 2048,
+        num_val: int = 128,
+        batch_size: int = 8,
+        max_operand: int = 20,
+        max_word_length: int = 5,
+        seed: int = 1234,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if task not in TASKS and task not in TASK_GROUPS:
+            raise ValueError(f"data.task={task!r} is not supported; use one of {list(TASKS) + list(TASK_GROUPS)}.")
+        if prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"data.prompt_style={prompt_style!r} is not supported; use one of {list(PROMPT_STYLES)}.")
+        for name, value in (
+            ("num_train", num_train),
+            ("num_val", num_val),
+            ("batch_size", batch_size),
+            ("max_operand", max_operand),
+            ("max_word_length", max_word_length),
+        ):
+            if int(value) <= 0:
+                raise ValueError(f"data.{name} must be a positive integer, got {value!r}.")
+        if int(max_word_length) < 2:
+            raise ValueError(f"data.max_word_length must be >= 2, got {max_word_length!r}.")
+        if int(num_workers) < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers!r}.")
+        self.tokenizer = tokenizer
+        self.task, self.prompt_style = task, prompt_style
+        self.num_train, self.num_val, self.batch_size = int(num_train), int(num_val), int(batch_size)
+        self.max_operand, self.max_word_length = int(max_operand), int(max_word_length)
+        self.seed, self.num_workers = int(seed), int(num_workers)
+        self.train_set: _PromptDataset | None = None
+        self.val_set: _PromptDataset | None = None
+
+    def _make(self, rng: random.Random, count: int) -> _PromptDataset:
+        tasks = TASK_GROUPS.get(self.task, (self.task,))
+        prompts, answers = [], []
+        for _ in range(count):
+            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length)
+            prompts.append(format_prompt(question, self.prompt_style))
+            answers.append(answer)
+        token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        return _PromptDataset(prompts, answers, [list(ids) for ids in token_ids])
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        rng = random.Random(self.seed)
+        self.train_set = self._make(rng, self.num_train)
+        self.val_set = self._make(rng, self.num_val)
+
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            num_workers=self.num_workers,
+            collate_fn=_LeftPadCollate(int(pad_id)),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        return self._loader(self.val_set, shuffle=False)

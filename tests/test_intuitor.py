@@ -1,0 +1,167 @@
+"""IntuitorModule: the self-certainty score vs plain logits, an end-to-end training step (frozen-copy and
+LoRA references), argument errors, the prompt data and its checker."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_memopt.data.reasoning_prompts import ReasoningPromptsDataModule, answer_is_correct, extract_answer, make_problem
+from lit_memopt.models import ModelConfig
+from lit_memopt.modules import IntuitorModule
+from lit_memopt.modules.rollout import position_ids_from_mask
+from lit_memopt.ops import linear_self_certainty
+
+
+def _config(lora: dict | None = None) -> ModelConfig:
+    return ModelConfig(
+        name="micro",
+        arch={
+            "model_type": "qwen3",
+            "vocab_size": 384,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "max_position_embeddings": 128,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+        },
+        lora=lora,
+    )
+
+
+def test_self_certainty_op_is_kl_from_uniform_plus_log_vocab():
+    torch.manual_seed(0)
+    hidden, weight, temperature = torch.randn(3, 5, 16), torch.randn(50, 16), 0.6
+    probs = torch.softmax(hidden @ weight.T / temperature, dim=-1)
+    vocab = weight.shape[0]
+    uniform = torch.full_like(probs, 1.0 / vocab)
+    kl_uniform_p = (uniform * (uniform.log() - probs.log())).sum(-1)  # KL(U || p) written out
+    score = linear_self_certainty(hidden, weight, temperature=temperature, chunk_size=7)
+    torch.testing.assert_close(score, kl_uniform_p + math.log(vocab), atol=1e-4, rtol=1e-5)
+    assert (score >= math.log(vocab) - 1e-5).all()
+
+
+def _batch(tokenizer, prompts: list[str], answers: list[str]) -> dict:
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    length = max(map(len, ids))
+    input_ids = torch.zeros(len(ids), length, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, seq in enumerate(ids):
+        input_ids[row, length - len(seq) :] = torch.tensor(seq)
+        attention_mask[row, length - len(seq) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "prompts": prompts, "answers": answers}
+
+
+class _Logged:
+    """Captures ``self.log`` calls of a module used outside a Trainer."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.values: dict[str, float] = {}
+        module.log = lambda name, value, **kw: self.values.__setitem__(name, float(value))  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["frozen-copy", "lora"])
+def test_training_step_end_to_end(lora):
+    torch.manual_seed(0)
+    config = _config(lora)
+    tokenizer = config.build_tokenizer()
+    module = IntuitorModule(config, tokenizer, num_samples=3, max_new_tokens=5, temperature=0.8, checker=answer_is_correct)
+    logged = _Logged(module)
+    assert (module.reference is None) == (lora is not None)  # LoRA shares the base weights
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
+    optimizer = module.configure_optimizers()["optimizer"]
+    batch = _batch(tokenizer, ["1+2=", "copy ab="], ["3", "ab"])
+    loss = module.training_step(batch, 0)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in module.model.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
+    optimizer.step()
+    assert any(not torch.equal(before[n], p) for n, p in module.model.named_parameters() if p.requires_grad)
+    if module.reference is not None:
+        assert not any(p.requires_grad for p in module.reference.parameters())
+    for key in ("train/self_certainty", "train/kl", "train/response_length", "train/accuracy", "train/reward", "train/loss"):
+        assert key in logged.values and math.isfinite(logged.values[key])
+    assert logged.values["train/self_certainty"] >= -1e-5  # KL(U || p) >= 0
+    assert 1 <= logged.values["train/response_length"] <= 5
+
+
+def test_self_certainty_reward_matches_plain_logits():
+    """The reward the module computes equals the masked mean of KL(U || p) from full logits."""
+    torch.manual_seed(0)
+    config = _config()
+    tokenizer = config.build_tokenizer()
+    module = IntuitorModule(config, tokenizer, num_samples=2, max_new_tokens=4, temperature=0.7, kl_coef=0.0)
+    captured = {}
+    import lit_memopt.modules.intuitor as intuitor
+
+    original = intuitor.group_advantages
+
+    def spy(rewards, group_size, eps):
+        captured["rewards"] = rewards.clone()
+        return original(rewards, group_size, eps)
+
+    intuitor.group_advantages = spy
+    try:
+        _Logged(module)
+        seed = module._rollout_seed(0)
+        module.training_step(_batch(tokenizer, ["5+5=", "max(1,2)="], ["10", "2"]), 0)
+    finally:
+        intuitor.group_advantages = original
+    rollout = module._rollout(_batch(tokenizer, ["5+5=", "max(1,2)="], ["10", "2"]), 2, seed)  # same seed: same samples
+    with torch.no_grad():
+        logits = module.model(rollout.input_ids, attention_mask=rollout.attention_mask,
+                              position_ids=position_ids_from_mask(rollout.attention_mask)).logits[:, :-1] / 0.7
+    logp = torch.log_softmax(logits, dim=-1)
+    kl_uniform = -math.log(logp.shape[-1]) - logp.mean(dim=-1)
+    mask = rollout.response_mask[:, 1:].float()
+    expected = (kl_uniform * mask).sum(-1) / mask.sum(-1)
+    torch.testing.assert_close(captured["rewards"], expected, atol=1e-4, rtol=1e-5)
+
+
+def test_argument_errors():
+    config = _config()
+    with pytest.raises(ValueError, match="num_samples"):
+        IntuitorModule(config, num_samples=1)
+    with pytest.raises(ValueError, match="accuracy_weight"):
+        IntuitorModule(config, accuracy_weight=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        IntuitorModule(config, temperature=0.0)
+    module = IntuitorModule(config, accuracy_weight=0.5)
+    with pytest.raises(ValueError, match="checker"):
+        module.setup("fit")
+
+
+def test_reasoning_prompts_and_checker():
+    import random
+
+    rng = random.Random(0)
+    for task in ("add", "sub", "mul", "max", "copy", "reverse"):
+        question, answer = make_problem(rng, task)
+        if task == "add":
+            a, b = map(int, question.split("+"))
+            assert int(answer) == a + b
+        if task == "reverse":
+            assert answer == question.split()[1][::-1]
+    assert extract_answer("19;abc") == "19"
+    assert extract_answer("I think... Answer: 42.") == "42"
+    assert extract_answer("cba rest") == "cba"
+    assert extract_answer("?!") is None
+    assert answer_is_correct("Answer: 7", "7") == 1.0 and answer_is_correct("8", "7") == 0.0
+    tokenizer = _config().build_tokenizer()
+    dm = ReasoningPromptsDataModule(tokenizer, task="arithmetic", num_train=8, num_val=4, batch_size=4)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 4 and len(batch["answers"]) == 4
+    assert (batch["attention_mask"][:, -1] == 1).all()  # left padding: every prompt ends at the last column
+    text = tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
+    assert text in batch["prompts"] and text.endswith("=")
+    with pytest.raises(ValueError, match="data.task"):
+        ReasoningPromptsDataModule(tokenizer, task="poetry")
