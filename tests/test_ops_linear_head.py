@@ -336,3 +336,57 @@ def test_clear_errors():
         linear_kl(hidden, weight, hidden.detach(), weight.detach()[:5])
     with pytest.raises(ValueError, match="`ref_hidden` leading shape"):
         linear_kl(hidden, weight, hidden.detach()[0], weight.detach())
+
+
+# ---------------------------------------------------------------- layout and memory
+
+
+def test_non_contiguous_weight_and_bf16_single_tile():
+    torch.manual_seed(0)
+    weight_t = torch.randn(16, 37, requires_grad=True)  # stored [H, V]; the head uses its transpose
+    hidden, _, b, targets = make(bias=True)
+    out = linear_logprobs(hidden, weight_t.t(), targets, bias=b)
+    out.sum().backward()
+    g = weight_t.grad.clone()
+    weight_t.grad = None
+    ref_logprobs(hidden, weight_t.t(), targets, b).float().sum().backward()
+    torch.testing.assert_close(g, weight_t.grad, rtol=1e-4, atol=1e-5)
+    h16, w16, _, t16 = make(dtype=torch.bfloat16)
+    out16 = linear_entropy(h16, w16)  # automatic tiles: one row tile, bf16 weight-gradient tile
+    out16.sum().backward()
+    w_ref = w16.detach().clone().requires_grad_()
+    ref_entropy(h16.detach(), w_ref).float().sum().backward()
+    torch.testing.assert_close(w16.grad.float(), w_ref.grad.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_automatic_tiles_stay_small_at_real_scale():
+    from lit_memopt.ops.linear_head import _MAX_TILE_ELEMENTS, _tile_sizes
+
+    for n, h, v in [(8192, 2560, 151936), (64 * 6144, 4096, 151936), (3, 7, 11), (100000, 64, 50)]:
+        rows, cols = _tile_sizes(None, n, h, v, torch.device("cpu"))
+        assert 1 <= rows <= n and 1 <= cols <= v
+        budget = max(min(n * h, _MAX_TILE_ELEMENTS), 1 << 18)
+        assert rows * cols <= budget and rows * h <= max(budget, h) and cols * h <= max(budget, h)
+
+
+def test_fused_peak_memory_is_a_fraction_of_naive():
+    from lit_memopt.memory.fake import peak_during
+
+    n, h, v = 64, 32, 20000
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    grads = hidden.numel() * 4 + weight.numel() * 4
+
+    def naive():
+        ref_logprobs(hidden, weight, targets).sum().backward()
+
+    def fused():
+        linear_logprobs(hidden, weight, targets).sum().backward()
+
+    naive_extra = peak_during(naive, hidden, weight, targets).extra_bytes - grads
+    fused_extra = peak_during(fused, hidden, weight, targets).extra_bytes - grads
+    assert naive_extra > 2 * n * v * 8  # several float64 [n, v] tensors
+    assert fused_extra <= 0.1 * naive_extra
+    # no temporary beyond a few tiles of the automatic budget (1 << 18 elements here)
+    assert fused_extra <= 4 * (1 << 18) * 4

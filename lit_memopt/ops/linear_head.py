@@ -23,7 +23,7 @@ ChunkSize = Optional[Union[int, Sequence[int]]]
 
 # Automatic tiling keeps every temporary (a logits tile, an fp32 weight tile, an fp32 hidden tile)
 # at most this many elements, but never less than the floor: tiny problems then run in one tile.
-_MAX_TILE_ELEMENTS = 1 << 22  # 16 MiB in fp32
+_MAX_TILE_ELEMENTS = 1 << 23  # 32 MiB in fp32
 _MIN_TILE_ELEMENTS = 1 << 18
 # Tiles bigger than this are rounded down to a multiple of it, which matmul kernels prefer.
 _TILE_ALIGN = 128
@@ -197,18 +197,45 @@ class _NoAutocast:
 # --------------------------------------------------------------------------------------------
 
 
-def _scaled_weight_tile(weight: Tensor, bias: Optional[Tensor], v0: int, v1: int, inv_t: float, dtype: torch.dtype):
-    # Folding 1/T into the weight tile costs O(tile_V * H) instead of O(rows * tile_V) per tile.
-    w = weight[v0:v1].to(dtype)
-    b = None if bias is None else bias[v0:v1].to(dtype)
-    if inv_t != 1.0:
-        w = w * inv_t
-        b = None if b is None else b * inv_t
-    return w, b
+class _Workspace:
+    """Tile buffers allocated once per pass and reused by every tile.
+
+    Allocating a fresh multi-megabyte tile per step costs page faults on the CPU and allocator
+    traffic on CUDA; reusing flat buffers (viewed to each tile's shape) avoids both.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, capacity: int) -> Tensor:
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = torch.empty(capacity, dtype=self.dtype, device=self.device)
+        return buf[: rows * cols].view(rows, cols)
 
 
-def _logits_tile(h: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    return torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+def _cast_tile(ws: _Workspace, name: str, src: Tensor, scale: float, capacity: int) -> Tensor:
+    """``src * scale`` in the compute dtype; a view (no copy) when nothing needs changing."""
+    if src.dtype == ws.dtype and scale == 1.0:
+        return src
+    out = ws.get(name, src.shape[0], src.shape[1], capacity)
+    if scale == 1.0:
+        return out.copy_(src)
+    return torch.mul(src, scale, out=out)
+
+
+def _logits_into(out: Tensor, h: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    if b is None:
+        return torch.mm(h, w.t(), out=out)
+    return torch.addmm(b, h, w.t(), out=out)
+
+
+def _bias_tile(bias: Optional[Tensor], v0: int, v1: int, inv_t: float, dtype: torch.dtype) -> Optional[Tensor]:
+    if bias is None:
+        return None
+    b = bias[v0:v1].to(dtype)
+    return b * inv_t if inv_t != 1.0 else b
 
 
 class _LinearHeadFunction(torch.autograd.Function):
@@ -216,7 +243,8 @@ class _LinearHeadFunction(torch.autograd.Function):
 
     Forward keeps, per row, the running max/sum of the softmax (hence logsumexp) and whatever
     expectation each requested quantity needs; backward recomputes one logits tile at a time and
-    accumulates the hidden gradient (fp32, [N, H]) and the weight/bias gradient of that vocab tile.
+    accumulates the hidden gradient (compute dtype, [N, H]) and the weight/bias gradient of one
+    vocab tile, which is written into the weight gradient before the next tile starts.
     """
 
     @staticmethod
@@ -236,24 +264,26 @@ class _LinearHeadFunction(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
         inv_t = spec.inv_temperature
-        need_mu = spec.entropy
+        rt, vt = spec.row_tile, spec.vocab_tile
+        tile_cap = min(rt, max(n, 1)) * min(vt, vocab)
+        ws = _Workspace(cdt, device)
         zeros = lambda: torch.zeros(n, dtype=cdt, device=device)  # noqa: E731
         lse = zeros()
-        mu = zeros() if need_mu else None
+        mu = zeros() if spec.entropy else None
         mean_z = zeros() if spec.self_certainty else None
         target_z = zeros() if spec.logprobs else None
         ref_lse = zeros() if spec.kl else None
         mu_d = zeros() if spec.kl else None
 
         with _NoAutocast(device.type), torch.no_grad():
-            for r0 in range(0, n, spec.row_tile):
-                r1 = min(r0 + spec.row_tile, n)
-                h = hidden[r0:r1].to(cdt)
-                hr = ref_hidden[r0:r1].to(cdt) if spec.kl else None
+            for r0 in range(0, n, rt):
+                r1 = min(r0 + rt, n)
                 rows = r1 - r0
+                h = _cast_tile(ws, "h", hidden[r0:r1], 1.0, rt * hidden.shape[1])
+                hr = _cast_tile(ws, "hr", ref_hidden[r0:r1], 1.0, rt * ref_hidden.shape[1]) if spec.kl else None
                 run_max = torch.full((rows,), -math.inf, dtype=cdt, device=device)
                 run_sum = torch.zeros(rows, dtype=cdt, device=device)
-                run_ez = torch.zeros(rows, dtype=cdt, device=device) if need_mu else None
+                run_ez = torch.zeros(rows, dtype=cdt, device=device) if spec.entropy else None
                 run_ed = torch.zeros(rows, dtype=cdt, device=device) if spec.kl else None
                 ref_max = torch.full((rows,), -math.inf, dtype=cdt, device=device) if spec.kl else None
                 ref_sum = torch.zeros(rows, dtype=cdt, device=device) if spec.kl else None
@@ -261,40 +291,39 @@ class _LinearHeadFunction(torch.autograd.Function):
                 tz = torch.zeros(rows, dtype=cdt, device=device) if spec.logprobs else None
                 tgt = targets[r0:r1] if spec.logprobs else None
 
-                for v0 in range(0, vocab, spec.vocab_tile):
-                    v1 = min(v0 + spec.vocab_tile, vocab)
-                    w, b = _scaled_weight_tile(weight, bias, v0, v1, inv_t, cdt)
-                    z = _logits_tile(h, w, b)
-                    del w, b
+                for v0 in range(0, vocab, vt):
+                    v1 = min(v0 + vt, vocab)
+                    cols = v1 - v0
+                    w = _cast_tile(ws, "w", weight[v0:v1], inv_t, vt * weight.shape[1])
+                    z = _logits_into(ws.get("z", rows, cols, tile_cap), h, w, _bias_tile(bias, v0, v1, inv_t, cdt))
                     if spec.logprobs:
                         local = tgt - v0
-                        in_tile = (local >= 0) & (local < v1 - v0)
-                        picked = z.gather(1, local.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+                        in_tile = (local >= 0) & (local < cols)
+                        picked = z.gather(1, local.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
                         tz = torch.where(in_tile, picked, tz)
                     if sum_z is not None:
                         sum_z += z.sum(1)
                     new_max = torch.maximum(run_max, z.amax(1))
                     rescale = torch.exp(run_max - new_max)
-                    e = torch.exp(z - new_max.unsqueeze(1))
+                    e = ws.get("e", rows, cols, tile_cap)
+                    if spec.kl:
+                        wr = _cast_tile(ws, "wr", ref_weight[v0:v1], inv_t, vt * ref_weight.shape[1])
+                        zr = _logits_into(ws.get("zr", rows, cols, tile_cap), hr, wr, _bias_tile(ref_bias, v0, v1, inv_t, cdt))
+                        new_ref_max = torch.maximum(ref_max, zr.amax(1))
+                        torch.sub(zr, new_ref_max.unsqueeze(1), out=e).exp_()
+                        ref_sum = ref_sum * torch.exp(ref_max - new_ref_max) + e.sum(1)
+                        ref_max = new_ref_max
+                    torch.sub(z, new_max.unsqueeze(1), out=e).exp_()
                     run_sum = run_sum * rescale + e.sum(1)
                     run_max = new_max
                     if spec.kl:
-                        wr, br = _scaled_weight_tile(ref_weight, ref_bias, v0, v1, inv_t, cdt)
-                        zr = _logits_tile(hr, wr, br)
-                        del wr, br
-                        new_ref_max = torch.maximum(ref_max, zr.amax(1))
-                        ref_sum = ref_sum * torch.exp(ref_max - new_ref_max) + torch.exp(zr - new_ref_max.unsqueeze(1)).sum(1)
-                        ref_max = new_ref_max
                         d = zr.neg_().add_(z)  # z - z_ref, in place of the reference tile
-                        run_ed = run_ed * rescale + (e * d).sum(1)
-                        del zr, d
-                    if need_mu:
+                        run_ed = run_ed * rescale + d.mul_(e).sum(1)
+                    if spec.entropy:
                         run_ez = run_ez * rescale + e.mul_(z).sum(1)
-                    del e, z
 
-                row_lse = run_max + torch.log(run_sum)
-                lse[r0:r1] = row_lse
-                if need_mu:
+                lse[r0:r1] = run_max + torch.log(run_sum)
+                if spec.entropy:
                     mu[r0:r1] = run_ez / run_sum
                 if sum_z is not None:
                     mean_z[r0:r1] = sum_z / vocab
@@ -303,18 +332,15 @@ class _LinearHeadFunction(torch.autograd.Function):
                 if spec.kl:
                     ref_lse[r0:r1] = ref_max + torch.log(ref_sum)
                     mu_d[r0:r1] = run_ed / run_sum
+        del ws
 
-        valid = None
-        if targets is not None:
-            valid = targets != spec.ignore_index
+        valid = None if targets is None else targets != spec.ignore_index
         outputs = []
         if spec.logprobs:
             outputs.append(torch.where(valid, target_z - lse, 0.0))
         if spec.entropy:
             ent = lse - mu
-            if valid is not None:
-                ent = torch.where(valid, ent, 0.0)
-            outputs.append(ent)
+            outputs.append(ent if valid is None else torch.where(valid, ent, 0.0))
         if spec.self_certainty:
             outputs.append(lse - mean_z)
         if spec.kl:
@@ -343,14 +369,19 @@ class _LinearHeadFunction(torch.autograd.Function):
         spec: _HeadSpec = ctx.spec
         hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, lse, mu, mu_d = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        none_grads = (None,) * 8
+        nothing = (None,) * 8
         if not (need_h or need_w or need_b) or all(g is None for g in grads):
-            return none_grads
+            return nothing
 
         cdt = lse.dtype
         n, vocab = hidden.shape[0], weight.shape[0]
+        size = weight.shape[1]
         device = hidden.device
         inv_t = spec.inv_temperature
+        rt, vt = spec.row_tile, spec.vocab_tile
+        tile_cap = min(rt, max(n, 1)) * min(vt, vocab)
+        single_row_tile = n <= rt
+
         # Outputs come in the order logprobs, entropy, self_certainty, kl (only those requested).
         pending = iter(grads)
         per_output = []
@@ -362,68 +393,89 @@ class _LinearHeadFunction(torch.autograd.Function):
             valid = (targets != spec.ignore_index).to(cdt)
             g_lp = None if g_lp is None else g_lp * valid
             g_ent = None if g_ent is None else g_ent * valid
-        # d out / d z for one row, written as p * (alpha + g_ent (mu - z) + g_kl (d - mu_d)) - g_sc / V + g_lp onehot
+        # d out / d z for one row: p * (alpha + g_ent (mu - z) + g_kl (d - mu_d)) - g_sc / V + g_lp onehot(target)
         alpha = torch.zeros(n, dtype=cdt, device=device)
         if g_lp is not None:
             alpha -= g_lp
         if g_sc is not None:
             alpha += g_sc
         uniform = None if g_sc is None else g_sc / vocab
+        needs_z_after_p = g_ent is not None or g_kl is not None
 
+        ws = _Workspace(cdt, device)
         grad_h = torch.zeros(hidden.shape, dtype=cdt, device=device) if need_h else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        grad_b = torch.empty_like(bias) if need_b else None
+        # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out=.
+        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
+        grad_b = torch.empty(bias.shape, dtype=bias.dtype, device=device) if need_b else None
+        direct_gw = need_w and weight.dtype == cdt
 
         with _NoAutocast(device.type), torch.no_grad():
-            for v0 in range(0, vocab, spec.vocab_tile):
-                v1 = min(v0 + spec.vocab_tile, vocab)
-                w, b = _scaled_weight_tile(weight, bias, v0, v1, inv_t, cdt)
+            for v0 in range(0, vocab, vt):
+                v1 = min(v0 + vt, vocab)
+                cols = v1 - v0
+                w = _cast_tile(ws, "w", weight[v0:v1], inv_t, vt * size)
+                b = _bias_tile(bias, v0, v1, inv_t, cdt)
                 if g_kl is not None:
-                    wr, br = _scaled_weight_tile(ref_weight, ref_bias, v0, v1, inv_t, cdt)
-                gw_acc = torch.zeros(v1 - v0, weight.shape[1], dtype=cdt, device=device) if need_w else None
-                gb_acc = torch.zeros(v1 - v0, dtype=cdt, device=device) if need_b else None
-                for r0 in range(0, n, spec.row_tile):
-                    r1 = min(r0 + spec.row_tile, n)
-                    h = hidden[r0:r1].to(cdt)
-                    z = _logits_tile(h, w, b)
-                    coef = torch.exp(z - lse[r0:r1].unsqueeze(1))  # softmax probabilities of this tile
+                    wr = _cast_tile(ws, "wr", ref_weight[v0:v1], inv_t, vt * ref_weight.shape[1])
+                    br = _bias_tile(ref_bias, v0, v1, inv_t, cdt)
+                gw_tile = None
+                if need_w:
+                    # fp32 weights: accumulate straight into the gradient; else into one fp32 tile
+                    gw_tile = grad_w[v0:v1] if direct_gw else ws.get("gw", cols, size, vt * size)
+                    if not single_row_tile:
+                        gw_tile.zero_()
+                gb_acc = torch.zeros(cols, dtype=cdt, device=device) if need_b else None
+                for r0 in range(0, n, rt):
+                    r1 = min(r0 + rt, n)
+                    rows = r1 - r0
+                    h = _cast_tile(ws, "h", hidden[r0:r1], 1.0, rt * hidden.shape[1])
+                    z = _logits_into(ws.get("z", rows, cols, tile_cap), h, w, b)
+                    # softmax probabilities of this tile; they become d out / d z in place
+                    if needs_z_after_p:
+                        coef = torch.sub(z, lse[r0:r1].unsqueeze(1), out=ws.get("p", rows, cols, tile_cap)).exp_()
+                    else:
+                        coef = z.sub_(lse[r0:r1].unsqueeze(1)).exp_()
                     extra = None
                     if g_kl is not None:
-                        zr = _logits_tile(ref_hidden[r0:r1].to(cdt), wr, br)
+                        hr = _cast_tile(ws, "hr", ref_hidden[r0:r1], 1.0, rt * ref_hidden.shape[1])
+                        zr = _logits_into(ws.get("zr", rows, cols, tile_cap), hr, wr, br)
                         extra = zr.neg_().add_(z).sub_(mu_d[r0:r1].unsqueeze(1)).mul_(g_kl[r0:r1].unsqueeze(1))
                     if g_ent is not None:
                         # z becomes g_ent * (mu - z), reusing its storage
                         z.sub_(mu[r0:r1].unsqueeze(1)).mul_(-g_ent[r0:r1].unsqueeze(1))
                         extra = z if extra is None else extra.add_(z)
-                    del z
                     if extra is not None:
                         coef.mul_(extra.add_(alpha[r0:r1].unsqueeze(1)))
                     else:
                         coef.mul_(alpha[r0:r1].unsqueeze(1))
-                    del extra
                     if uniform is not None:
                         coef.sub_(uniform[r0:r1].unsqueeze(1))
                     if g_lp is not None:
                         local = targets[r0:r1] - v0
-                        in_tile = (local >= 0) & (local < v1 - v0)
+                        in_tile = (local >= 0) & (local < cols)
                         coef.scatter_add_(
                             1,
-                            local.clamp(0, v1 - v0 - 1).unsqueeze(1),
+                            local.clamp(0, cols - 1).unsqueeze(1),
                             (g_lp[r0:r1] * in_tile.to(cdt)).unsqueeze(1),
                         )
                     # coef is d out / d z; z = (h W^T + b) / T and w already holds W / T.
                     if need_h:
                         grad_h[r0:r1].addmm_(coef, w)
                     if need_w:
-                        gw_acc.addmm_(coef.t(), h)
+                        if single_row_tile:
+                            torch.mm(coef.t(), h, out=gw_tile)
+                        else:
+                            gw_tile.addmm_(coef.t(), h)
                     if need_b:
                         gb_acc += coef.sum(0)
-                    del coef, h
                 if need_w:
-                    grad_w[v0:v1].copy_(gw_acc.mul_(inv_t) if inv_t != 1.0 else gw_acc)
+                    if inv_t != 1.0:
+                        gw_tile.mul_(inv_t)
+                    if not direct_gw:
+                        grad_w[v0:v1].copy_(gw_tile)
                 if need_b:
                     grad_b[v0:v1].copy_(gb_acc.mul_(inv_t) if inv_t != 1.0 else gb_acc)
-                del gw_acc, gb_acc
+        del ws
 
         if grad_h is not None:
             grad_h = grad_h.to(hidden.dtype)

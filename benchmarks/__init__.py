@@ -1,0 +1,1 @@
+"""Benchmarks: naive vs optimized paths; each writes markdown + JSON under benchmarks/results/."""
