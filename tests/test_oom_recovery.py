@@ -450,3 +450,43 @@ def test_custom_split_fn_and_divisor_policy() -> None:
 def test_rejects_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         OOMRecovery(**kwargs)
+
+
+# ------------------------------------------------------------------------------------ integration
+def test_reports_ooms_and_size_changes_to_memory_monitor(tmp_path) -> None:
+    from lit_memopt.callbacks import MemoryMonitor
+
+    monitor = MemoryMonitor(write_report=False, output_dir=str(tmp_path))
+    module = PlannedOOMModule(plan={(0, 0, 1): ("backward", 4)})
+    fit(module, [OOMRecovery(grow_after_steps=None), monitor], max_steps=3)
+    assert [(e.step, e.phase, e.batch_size) for e in monitor.metrics.oom_events] == [(1, "backward", 8)]
+    change = monitor.metrics.batch_size_changes
+    assert [(c.step, c.old_batch_size, c.new_batch_size, c.reason) for c in change] == [(1, 8, 4, "oom")]
+
+
+def test_unsupported_strategy_warns_and_stays_out_of_the_way() -> None:
+    from types import SimpleNamespace
+
+    recovery = OOMRecovery()
+    fake_trainer = SimpleNamespace(strategy=object())
+    module = PlannedOOMModule()
+    with pytest.warns(UserWarning, match="OOMRecovery supports the single-device and DDP strategies"):
+        recovery.setup(fake_trainer, module, "fit")  # type: ignore[arg-type]
+    assert "training_step" not in module.__dict__  # the module was not wrapped
+
+
+def test_default_callbacks_config_builds_oom_recovery() -> None:
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf / "callbacks"), version_base="1.3"):
+        cfg = compose(config_name="default")
+    callback = instantiate(cfg.oom_recovery)
+    assert isinstance(callback, OOMRecovery)
+    defaults = OOMRecovery()
+    for key in cfg.oom_recovery:
+        if key != "_target_":
+            assert getattr(callback, key) == getattr(defaults, key), key

@@ -68,7 +68,8 @@ class OOMRecovery(Callback):
     Works with automatic optimization for any unchanged ``LightningModule`` (its ``training_step``
     is wrapped at ``setup``), with ``accumulate_grad_batches``, ``precision="bf16-mixed"`` and
     ``"16-mixed"`` (the ``GradScaler`` scales every micro-batch), and with single-device and DDP
-    strategies. Manual optimization opts in with :meth:`run_micro_batches`.
+    strategies (under any other strategy it warns at ``setup`` and stays inactive). Manual
+    optimization opts in with :meth:`run_micro_batches`.
 
     DDP: every decision is taken by all ranks together through one small ``all_reduce`` (MAX) per
     micro-batch attempt, issued in the same order by every rank, so an OOM on one rank only neither
@@ -109,7 +110,6 @@ class OOMRecovery(Callback):
 
     Raises:
         ValueError: an argument outside its accepted values (named in the message).
-        MisconfigurationException: at ``setup``, a strategy other than single-device or DDP.
         OOMRecoveryError: during training, an OOM at ``min_micro_batch_size`` or an unrecoverable
             OOM in the optimizer step.
 
@@ -203,6 +203,7 @@ class OOMRecovery(Callback):
         self._cuda_last: tuple[int, int, int, int] | None = None  # (base, peak, micro size, device index) of the last clean batch
         self._cuda_base = 0
         self._log_signature: inspect.Signature | None = None
+        self._disabled = False
 
     @staticmethod
     def _validate_initial(value: Any) -> None:
@@ -215,18 +216,26 @@ class OOMRecovery(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._check_strategy(trainer)
+        problem = self._unsupported_strategy(trainer)
+        self._disabled = problem is not None
+        if problem is not None:
+            # A warning, not an error: OOMRecovery is in the default callbacks, and a recipe run with
+            # a sharded strategy should still train (without micro-batching).
+            rank_zero_warn(problem)
+            return
         self._trainer, self._module = trainer, pl_module
         self._install_module_wrappers(pl_module)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._disabled:
+            return
         self._ddp = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
         self._agree = RankAgreement(pl_module.device, enabled=self._ddp)
         self._bypass_ddp_reducer(trainer)
         self._patch_optimizers(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self.log_metrics:
+        if not self.log_metrics or self._disabled:
             return
         size = self._last_effective_size
         if size is None:
@@ -323,7 +332,8 @@ class OOMRecovery(Callback):
 
     # ================================================================== wiring
     @staticmethod
-    def _check_strategy(trainer: Trainer) -> None:
+    def _unsupported_strategy(trainer: Trainer) -> str | None:
+        """Why OOMRecovery cannot run under this trainer's strategy, or ``None`` when it can."""
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
@@ -332,12 +342,13 @@ class OOMRecovery(Callback):
             and not strategy.handles_gradient_accumulation
             and "deepspeed" not in type(strategy).__name__.lower()
         )
-        if not supported:
-            raise MisconfigurationException(
-                f"OOMRecovery supports the single-device and DDP strategies (Trainer(strategy='auto'|'ddp'|"
-                f"'ddp_spawn')), got {type(strategy).__name__}. Sharded strategies (FSDP, DeepSpeed) manage "
-                "gradients themselves; remove OOMRecovery from the callbacks for them."
-            )
+        if supported:
+            return None
+        return (
+            f"OOMRecovery supports the single-device and DDP strategies (strategy='auto'|'ddp'|'ddp_spawn'), "
+            f"got {type(strategy).__name__}: it is disabled for this run. Sharded strategies (FSDP, DeepSpeed) "
+            "manage gradients themselves; remove OOMRecovery from the callbacks to silence this warning."
+        )
 
     def _install_module_wrappers(self, module: LightningModule) -> None:
         if self._originals:
@@ -539,7 +550,8 @@ class OOMRecovery(Callback):
                 # Outside the except block: the OOM's traceback (and the frames holding activations)
                 # is gone; drop this attempt's tensors before anything else allocates.
                 out = loss = scaled = None
-            status, phase_code = self._agree.max(status, phase_code)
+            # Only a failing rank names a phase: the MAX then carries the failing phase to every rank.
+            status, phase_code = self._agree.max(status, phase_code if status != _OK else 0)
             if status != _OK:
                 return status, _PHASES.get(phase_code, "unknown"), message or "OOM on another rank", error
         return _OK, "", "", (total, self._combine_outputs(outputs, total, normalize), logs)
