@@ -1,0 +1,221 @@
+"""Peak-memory estimation: fake-tensor predictions against real measurements, batch fitting, the CLI."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from lit_memopt.memory import estimate_peak, fake_mode, memory_budget
+from lit_memopt.memory.budget import storage_bytes
+from lit_memopt.memory.estimate import (
+    EstimateError,
+    initial_micro_batch_from_estimate,
+    largest_micro_batch,
+    parse_memory_size,
+    resize_batch,
+)
+from lit_memopt.models import ModelConfig
+from lit_memopt.modules.sft import SFTModule
+
+ARCH = {
+    "model_type": "qwen3", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 192,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 256, "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1,
+}
+
+
+def _model_config() -> ModelConfig:
+    return ModelConfig(name="test_tiny", arch=dict(ARCH))
+
+
+def _fake_module() -> SFTModule:
+    # Built once per test: steps change fake weights, which have no values, so estimates can share it.
+    with fake_mode():
+        return SFTModule(_model_config(), lr=1e-3)
+
+
+def _batch(rows: int = 4, tokens: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 384, (rows, tokens), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0  # one padded row, as the data modules produce
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _measured_peak(module: SFTModule, batch: dict[str, torch.Tensor]) -> int:
+    """Peak live bytes of a real step, measured with the memory_budget tracker (not MemTracker)."""
+    optimizer = module.configure_optimizers()["optimizer"]
+    # Steady state: Adam moments exist before the step, as in every step after the first.
+    module.training_step(batch, 0).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    baseline = storage_bytes(module, optimizer, *batch.values())
+    with memory_budget(None, baseline_bytes=baseline) as probe:
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return probe.peak_bytes
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fake_estimate_matches_measured_peak_within_10_percent() -> None:
+    batch = _batch()
+    torch.manual_seed(0)
+    measured = _measured_peak(SFTModule(_model_config(), lr=1e-3), batch)
+    est = estimate_peak(lambda: SFTModule(_model_config(), lr=1e-3), batch)
+    assert est.fake
+    assert abs(est.peak_bytes - measured) / measured < 0.10, (est.peak_bytes, measured)
+    # the breakdown accounts for the whole peak, and its fixed parts are exact
+    assert sum(est.breakdown.values()) == est.peak_bytes
+    module = SFTModule(_model_config(), lr=1e-3)
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert est.breakdown["parameters"] == param_bytes
+    assert est.breakdown["optimizer_state"] >= 2 * param_bytes  # AdamW: two moments per weight
+    assert est.breakdown["activations"] > 0
+    assert est.peak_phase in ("forward", "backward", "optimizer step")
+    top = est.top_modules(3)
+    assert top and all(m.is_leaf and m.count == 2 for m in top)  # grouped over the two layers
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_estimate_scales_with_batch_and_foreach_adds_a_temporary() -> None:
+    build = _fake_module()
+    small = estimate_peak(build, _batch(), batch_size=2)
+    large = estimate_peak(build, _batch(), batch_size=8)
+    assert (small.batch_size, large.batch_size) == (2, 8)
+    assert large.breakdown["activations"] > 3 * small.breakdown["activations"]
+    assert large.breakdown["parameters"] == small.breakdown["parameters"]
+    # accumulating micro-batches keep gradients alive through the forward
+    acc = estimate_peak(build, _batch(), batch_size=2, accumulating=True)
+    assert acc.peak_bytes > small.peak_bytes
+
+
+def test_largest_micro_batch_is_exact_on_a_nonlinear_peak() -> None:
+    def peak(b: int) -> int:  # affine plus a step and a quadratic term: the secant alone is not enough
+        return 1000 + 37 * b + (b * b) // 5 + (400 if b > 50 else 0)
+
+    for memory in (1100, 2000, 5000, 9999, 30_000):
+        fit = largest_micro_batch(peak, memory, safety_margin=0.1, max_batch_size=10_000)
+        usable = int(memory * 0.9)
+        brute = max((b for b in range(1, 10_001) if peak(b) <= usable), default=0)
+        assert fit.micro_batch_size == brute
+        if brute:
+            assert fit.peak_bytes == peak(brute) and fit.next_peak_bytes == peak(brute + 1)
+        assert len(fit.probes) <= 16  # few (expensive) estimates
+    assert largest_micro_batch(peak, 100).micro_batch_size == 0
+    assert largest_micro_batch(lambda b: 10, 10**9, max_batch_size=64).micro_batch_size == 64
+    with pytest.raises(ValueError, match="safety_margin"):
+        largest_micro_batch(peak, 1000, safety_margin=1.0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_gpu_memory_picks_largest_batch_that_fits_and_one_more_does_not() -> None:
+    module = _fake_module()
+    batch = _batch(4, 16)
+    peaks = {b: estimate_peak(module, batch, batch_size=b).peak_bytes for b in (3, 4)}
+    assert peaks[4] > peaks[3]
+    memory = int((peaks[3] + peaks[4]) / 2 / 0.9)  # room for 3 rows but not for 4, after the 10% margin
+
+    def peak_for(b: int) -> int:
+        if b not in peaks:
+            peaks[b] = estimate_peak(module, batch, batch_size=b).peak_bytes
+        return peaks[b]
+
+    fit = largest_micro_batch(peak_for, memory, safety_margin=0.1)
+    assert fit.micro_batch_size == 3
+    assert fit.peak_bytes <= fit.usable_bytes < fit.next_peak_bytes
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_initial_micro_batch_from_estimate_leaves_the_real_module_alone() -> None:
+    module = SFTModule(_model_config(), lr=1e-3)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    batch = _batch(8, 16)
+    p_full = estimate_peak(_fake_module(), batch).peak_bytes
+    resident = storage_bytes(module)
+    assert initial_micro_batch_from_estimate(None, module, batch, free_bytes=10 * p_full) == 8
+    small = initial_micro_batch_from_estimate(None, module, batch, free_bytes=int((p_full - resident) * 0.5))
+    assert 1 <= small < 8
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_resize_batch_cycles_rows_and_tokens() -> None:
+    batch = {"input_ids": torch.arange(6).view(2, 3), "prompts": ["a", "b"], "scale": torch.tensor(2.0)}
+    out = resize_batch(batch, batch_size=3, seq_len=5)
+    assert out["input_ids"].tolist() == [[0, 1, 2, 0, 1], [3, 4, 5, 3, 4], [0, 1, 2, 0, 1]]
+    assert out["prompts"] == ["a", "b", "a"] and out["scale"].item() == 2.0
+    assert resize_batch(batch, batch_size=1)["input_ids"].tolist() == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="batch_size"):
+        resize_batch(batch, batch_size=0)
+
+
+def test_parse_memory_size() -> None:
+    assert parse_memory_size("80GiB") == 80 * 2**30
+    assert parse_memory_size("80GB") == 80 * 10**9
+    assert parse_memory_size("80G") == 80 * 2**30
+    assert parse_memory_size("1.5 MiB") == int(1.5 * 2**20)
+    assert parse_memory_size(4096) == 4096
+    for bad in ("eighty", "80XB", "-1GiB", 0):
+        with pytest.raises(ValueError, match="gpu_memory"):
+            parse_memory_size(bad)
+
+
+def test_value_dependent_steps_fail_clearly() -> None:
+    import lightning.pytorch as pl
+
+    class Reads(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            out = self.layer(batch)
+            if out.sum().item() > 0:  # a decision on a value: impossible without values
+                out = out * 2
+            return out.sum()
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(EstimateError, match="reads tensor values"):
+        estimate_peak(Reads, torch.randn(2, 4))
+
+
+# ----------------------------------------------------------------------------- the command line
+def _cli(args: list[str], tmp_path, capsys) -> tuple[int, str, str]:  # noqa: ANN001
+    from lit_memopt.cli import main
+
+    code = main(["estimate", *args, f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys) -> None:  # noqa: ANN001
+    args = ["recipe=sft", "model=tiny_qwen3", "batch_size=2", "seq_len=32", "data.num_train=32", "data.num_val=8"]
+    code, out, _ = _cli([*args, "gpu_memory=160MiB", "safety_margin=0.2"], tmp_path, capsys)
+    assert code == 0
+    assert "peak" in out and "optimizer state" in out and "activations" in out
+    text = " ".join(out.split())
+    found = re.search(
+        r"Largest micro-batch that fits in 160.00 MiB with a 20% safety margin \(128.00 MiB usable\): (\d+) "
+        r"\(peak ([0-9.]+) MiB; \d+ would need ([0-9.]+) MiB", text)
+    assert found, out
+    size, peak, next_peak = int(found.group(1)), float(found.group(2)), float(found.group(3))
+    assert size >= 1 and peak <= 128.0 < next_peak
+
+
+def test_cli_estimate_rejects_bad_names_and_sizes(tmp_path, capsys) -> None:  # noqa: ANN001
+    code, _, err = _cli(["recipe=no_such_recipe"], tmp_path, capsys)
+    assert code == 2 and "unknown recipe 'no_such_recipe'" in err and "sft" in err
+    code, _, err = _cli(["recipe=sft", "model=qwen3_5b"], tmp_path, capsys)
+    assert code == 2 and "unknown model 'qwen3_5b'" in err and "qwen3_4b" in err
+    with pytest.raises(SystemExit) as exc:
+        _cli(["recipe=sft", "gpu_memory=lots", "data.num_train=32", "data.num_val=8"], tmp_path, capsys)
+    assert exc.value.code == 2
+    assert "gpu_memory='lots' is not a memory size" in capsys.readouterr().err
