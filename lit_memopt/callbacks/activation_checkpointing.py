@@ -1,0 +1,256 @@
+"""``ActivationCheckpointing``: non-reentrant activation checkpointing (and optional CPU offload) of chosen layers."""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    ActivationWrapper,
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+
+__all__ = ["ActivationCheckpointing"]
+
+_WRAPPED_PREFIX = "._checkpoint_wrapped_module"
+
+
+class _SaveOnCpuWrapper(ActivationWrapper):
+    """Run the wrapped module under ``torch.autograd.graph.save_on_cpu``: tensors autograd saves go to host memory.
+
+    PyTorch's own ``OffloadWrapper`` always pins host memory, which needs an accelerator; this one
+    pins only when asked. Subclassing ``ActivationWrapper`` keeps its state-dict hooks, so
+    checkpoints carry the unwrapped parameter names.
+    """
+
+    def __init__(self, module: nn.Module, pin_memory: bool) -> None:
+        super().__init__(module)
+        self.pin_memory = pin_memory
+
+    def forward(self, *args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
+            return self._checkpoint_wrapped_module(*args, **kwargs)
+
+
+def _clean_name(name: str) -> str:
+    """A module's name as the user wrote the model, without the wrappers' inner-module segments."""
+    return name.replace(_WRAPPED_PREFIX, "")
+
+
+class ActivationCheckpointing(Callback):
+    """Trade compute for memory: recompute chosen layers' activations in backward instead of keeping them.
+
+    Wraps the selected layers with PyTorch's ``checkpoint_wrapper`` in its non-reentrant mode
+    (``torch.utils.checkpoint(use_reentrant=False)``): only each layer's inputs are kept, and its
+    forward runs again during backward. Gradients are the same as without it (the RNG state is
+    restored for the recomputation, so dropout matches). With ``every_k_layers=k`` only every
+    k-th selected layer is checkpointed (selective checkpointing: less recomputation, less
+    saving). With ``offload_to_cpu`` the tensors autograd keeps for the selected layers (the
+    inputs of the checkpointed ones, all saved activations of the others) are moved to host
+    memory through ``torch.autograd.graph.save_on_cpu`` and copied back for backward; on a CPU
+    run there is nothing to offload to, so it says so and skips that part.
+
+    Layers are chosen by class name (``layer_classes``) or by a regular expression searched in
+    the module's qualified name (``name_pattern``); a module matching either is selected, and
+    modules inside a selected one are not selected again. By default it takes the decoder
+    layers of a transformers model: the classes in the model's ``_no_split_modules`` (e.g.
+    ``Qwen3DecoderLayer``), or failing that the children of a ``ModuleList`` named ``layers``.
+
+    The layers are wrapped in ``setup`` (or, for modules that build their model in
+    ``configure_model``, in ``on_fit_start``): parameters keep their identity, so optimizers
+    are unaffected, and ``state_dict`` keys keep their unwrapped names. Applying it again
+    (another ``fit``, or a model already wrapped by the user or a strategy) changes nothing.
+    Transformers models get ``config.use_cache = False`` (a key/value cache filled in forward would be
+    filled twice by the recomputation); ``generate`` still uses its own cache setting.
+    Under FSDP prefer the strategy's ``activation_checkpointing_policy``, which wraps before sharding.
+
+    Args:
+        layer_classes: class name(s) of the layers to checkpoint, e.g. ``"Qwen3DecoderLayer"``.
+        name_pattern: regular expression searched in qualified module names, e.g. ``r"layers\\.\\d+$"``.
+        every_k_layers: checkpoint the 1st, (k+1)-th, (2k+1)-th, ... selected layer; ``1`` checkpoints all.
+        offload_to_cpu: move the tensors saved for backward by the selected layers to host memory.
+        pin_memory: pin the host copies (faster copies back; needs CUDA, ignored without it).
+        preserve_rng_state: restore the RNG state when recomputing (needed for identical dropout).
+
+    Raises:
+        ValueError: in ``__init__`` for ``every_k_layers < 1``, an invalid ``name_pattern`` or
+            empty class names; in ``setup``/``on_fit_start`` when no layer matches.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lit_memopt.callbacks import ActivationCheckpointing
+
+        # every other decoder layer, the others' activations offloaded to host memory
+        trainer = Trainer(callbacks=[ActivationCheckpointing(every_k_layers=2, offload_to_cpu=True)])
+    """
+
+    def __init__(
+        self,
+        layer_classes: str | Sequence[str] | None = None,
+        name_pattern: str | None = None,
+        every_k_layers: int = 1,
+        offload_to_cpu: bool = False,
+        pin_memory: bool = True,
+        preserve_rng_state: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(layer_classes, str):
+            layer_classes = [layer_classes]
+        classes = tuple(layer_classes) if layer_classes is not None else ()
+        if any(not isinstance(c, str) or not c for c in classes):
+            raise ValueError(f"ActivationCheckpointing(layer_classes={layer_classes!r}): give class names as non-empty strings.")
+        if name_pattern is not None:
+            try:
+                re.compile(name_pattern)
+            except re.error as error:
+                raise ValueError(f"ActivationCheckpointing(name_pattern={name_pattern!r}) is not a valid regular expression: {error}") from None
+        if isinstance(every_k_layers, bool) or not isinstance(every_k_layers, int) or every_k_layers < 1:
+            raise ValueError(f"ActivationCheckpointing(every_k_layers={every_k_layers!r}): use a positive integer (1: every layer).")
+        self.layer_classes = classes
+        self.name_pattern = name_pattern
+        self.every_k_layers = every_k_layers
+        self.offload_to_cpu = bool(offload_to_cpu)
+        self.pin_memory = bool(pin_memory)
+        self.preserve_rng_state = bool(preserve_rng_state)
+        self.checkpointed: list[str] = []
+        self.offloaded: list[str] = []
+        self.layer_types: list[str] = []
+        self._applied = False
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            layer_classes=self.layer_classes, name_pattern=self.name_pattern, every_k_layers=self.every_k_layers
+        )
+
+    # --- selection --------------------------------------------------------------------------------
+    def select_layers(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The ``(name, module)`` pairs this callback would wrap in ``root``, in forward order, outermost only."""
+        classes = set(self.layer_classes)
+        pattern = re.compile(self.name_pattern) if self.name_pattern is not None else None
+        default_lists: list[str] = []
+        if not classes and pattern is None:
+            classes = _no_split_classes(root)
+            if not classes:
+                default_lists = [n for n, m in root.named_modules() if isinstance(m, nn.ModuleList) and n.split(".")[-1] == "layers"]
+        selected: list[tuple[str, nn.Module]] = []
+        for name, module in root.named_modules():
+            if not name or isinstance(module, ActivationWrapper):
+                continue
+            clean = _clean_name(name)
+            if any(clean.startswith(s + ".") for s, _ in selected):
+                continue
+            parent = clean.rpartition(".")[0]
+            hit = (
+                type(module).__name__ in classes
+                or (pattern is not None and pattern.search(clean) is not None)
+                or parent in default_lists
+            )
+            if hit:
+                selected.append((clean, module))
+        return selected
+
+    # --- application ------------------------------------------------------------------------------
+    def apply(self, root: nn.Module, *, offload: bool | None = None) -> list[str]:
+        """Wrap the selected layers of ``root`` in place; returns the names of the checkpointed layers.
+
+        Returns an empty list when ``root`` already holds activation wrappers (applied before).
+        ``offload`` overrides ``offload_to_cpu`` (the callback turns it off on CPU runs).
+
+        Raises:
+            ValueError: when no layer matches the selection.
+        """
+        if any(isinstance(m, ActivationWrapper) for m in root.modules()):
+            self._applied = True
+            return []
+        layers = self.select_layers(root)
+        if not layers:
+            raise ValueError(
+                f"ActivationCheckpointing found no layer to checkpoint in {type(root).__name__} "
+                f"(layer_classes={list(self.layer_classes)}, name_pattern={self.name_pattern!r}); "
+                "pass layer_classes=['MyBlock'] or name_pattern=r'blocks\\.\\d+$'."
+            )
+        offload = self.offload_to_cpu if offload is None else offload
+        pin = self.pin_memory and torch.cuda.is_available()
+        checkpointed, offloaded = [], []
+        self.layer_types = sorted({type(m).__name__ for _, m in layers})
+        for index, (name, module) in enumerate(layers):
+            wrapped: nn.Module = module
+            if index % self.every_k_layers == 0:
+                wrapped = checkpoint_wrapper(
+                    module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=self.preserve_rng_state
+                )
+                checkpointed.append(name)
+            if offload:
+                # Outside the checkpoint wrapper: its saved inputs go to the host; inside it nothing else is saved.
+                wrapped = _SaveOnCpuWrapper(wrapped, pin_memory=pin)
+                offloaded.append(name)
+            if wrapped is not module:
+                _replace_submodule(root, name, wrapped)
+        _disable_kv_cache(root)
+        self.checkpointed, self.offloaded = checkpointed, offloaded
+        self._applied = True
+        return checkpointed
+
+    def _apply_to(self, trainer: Trainer, pl_module: LightningModule, *, required: bool) -> None:
+        if self._applied and any(isinstance(m, ActivationWrapper) for m in pl_module.modules()):
+            return
+        if not required and not self.select_layers(pl_module):
+            return  # the model may be built later, in configure_model
+        offload = self.offload_to_cpu
+        if offload and trainer.strategy.root_device.type == "cpu":
+            rank_zero_info("ActivationCheckpointing: training runs on the CPU, where activations already live in host "
+                           "memory; offload_to_cpu is skipped.")
+            offload = False
+        names = self.apply(pl_module, offload=offload)
+        if names:
+            rank_zero_info(
+                f"ActivationCheckpointing: checkpointing {len(names)} layer(s) ({', '.join(self.layer_types)}; every "
+                f"{self.every_k_layers}), CPU offload of saved activations for {len(self.offloaded)}."
+            )
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._apply_to(trainer, pl_module, required=False)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._applied:
+            strategy = type(trainer.strategy).__name__
+            if "FSDP" in strategy or "DeepSpeed" in strategy:
+                rank_zero_warn(
+                    f"ActivationCheckpointing: the layers appeared only after {strategy} set up the model; "
+                    "prefer the strategy's own activation checkpointing option, which wraps before sharding."
+                )
+        self._apply_to(trainer, pl_module, required=True)
+
+
+def _no_split_classes(root: nn.Module) -> set[str]:
+    for module in root.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names:
+            return set(names)
+    return set()
+
+
+def _replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    # Resolve the parent through any wrapper already placed above it.
+    parent = root
+    for part in parent_name.split(".") if parent_name else []:
+        parent = getattr(parent, part)
+        if isinstance(parent, ActivationWrapper):
+            parent = parent._checkpoint_wrapped_module
+    setattr(parent, child, new)
+
+
+def _disable_kv_cache(root: nn.Module) -> None:
+    for module in root.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False) and hasattr(module, "get_input_embeddings"):
+            config.use_cache = False
