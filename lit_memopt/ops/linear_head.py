@@ -1,5 +1,9 @@
 """LM-head quantities (log-probs, entropy, self-certainty, KL) computed from hidden states and the
-head weight tile by tile, so that no ``[tokens, vocab]`` logits tensor ever exists."""
+head weight tile by tile, so that no ``[tokens, vocab]`` logits tensor ever exists.
+
+Tiles are computed in fp32 (float64 for float64 inputs). On CUDA the fp32 tile matmuls follow
+``torch.backends.cuda.matmul.allow_tf32`` / ``torch.set_float32_matmul_precision``.
+"""
 
 from __future__ import annotations
 
