@@ -204,6 +204,7 @@ class OOMRecovery(Callback):
         self._cuda_base = 0
         self._log_signature: inspect.Signature | None = None
         self._disabled = False
+        self._ddp_model: Any = None
 
     @staticmethod
     def _validate_initial(value: Any) -> None:
@@ -259,6 +260,9 @@ class OOMRecovery(Callback):
             else:
                 optimizer.step = previous
         self._patched_optimizers.clear()
+        if self._ddp_model is not None:
+            self._ddp_model.require_backward_grad_sync = True
+            self._ddp_model = None
         self._pending_grads = None
         self._trainer = self._module = None
 
@@ -405,6 +409,8 @@ class OOMRecovery(Callback):
         if isinstance(model, DistributedDataParallel):
             # Gradients are averaged by this callback once all micro-batches of all ranks succeeded;
             # the reducer would start collectives inside a backward that may still OOM on one rank.
+            if self._ddp_model is None:
+                self._ddp_model = model
             model.require_backward_grad_sync = False
 
     def _patch_optimizers(self, trainer: Trainer) -> None:
@@ -440,8 +446,11 @@ class OOMRecovery(Callback):
     ) -> tuple[torch.Tensor | None, Any]:
         trainer = module.trainer
         batch_size = self._batch_size(batch)
+        # Sizes are decided from the largest batch over ranks, so that every rank takes the same
+        # decisions (and issues the same collectives) even when the last batches differ in size.
+        (global_batch_size,) = self._agree.max(batch_size)
         if not self._initial_resolved:
-            self.micro_batch_size = self._resolve_initial_micro_batch_size(trainer, module, batch, batch_size)
+            self.micro_batch_size = self._resolve_initial_micro_batch_size(trainer, module, batch, global_batch_size)
             self._initial_resolved = True
         if self._ddp:
             self._bypass_ddp_reducer(trainer)
@@ -460,11 +469,12 @@ class OOMRecovery(Callback):
         for p in params:
             p.grad = None
 
-        size, grow_from = self._plan_size(trainer, batch_size)
+        size, grow_from = self._plan_size(trainer, global_batch_size)
         had_oom = False
         while True:
             self._cuda_measure_start(module.device)
-            status, phase, message, result = self._attempt(module, batch, batch_size, size, tokens, normalize, compute)
+            local_size = min(size, batch_size)
+            status, phase, message, result = self._attempt(module, batch, batch_size, local_size, tokens, normalize, compute)
             if status == _OK:
                 break
             self._free_attempt(params, trainer)
@@ -484,14 +494,14 @@ class OOMRecovery(Callback):
             if size <= self.min_micro_batch_size or (size <= 1):
                 self._restore(params, stash)
                 raise OOMRecoveryError(self._fatal_message(trainer, module, phase, size, message))
-            new_size = max(self.min_micro_batch_size, shrink_size(size, batch_size, self.shrink))
+            new_size = max(self.min_micro_batch_size, shrink_size(size, global_batch_size, self.shrink))
             self._set_size(trainer, size, new_size, "oom")
             size = new_size
 
         total_loss, output, logs = result
         new_grads = [p.grad for p in params]
         self._restore(params, stash)
-        self._after_success(trainer, module, size, grow_from, had_oom)
+        self._after_success(trainer, module, size, min(size, batch_size), grow_from, had_oom)
         self._replay_logs(module, logs)
         if mode == "manual":
             self._add_grads(params, new_grads, sync=self._ddp, device=module.device)
@@ -740,6 +750,7 @@ class OOMRecovery(Callback):
         if self.grow_after_steps is None or self.micro_batch_size is None:
             return size, None
         cap = self._size_cap(batch_size)
+        # Every input here is identical on all ranks, so either all ranks reach the collective or none.
         if size >= cap or self._clean_batches < self._grow_wait:
             return size, None
         target = min(cap, grow_size(size, batch_size, self.shrink))
@@ -749,9 +760,11 @@ class OOMRecovery(Callback):
             return size, None
         return target, size
 
-    def _after_success(self, trainer: Trainer, module: LightningModule, size: int, grow_from: int | None, had_oom: bool) -> None:
-        self._last_effective_size = size
-        self._cuda_measure_end(module.device, size)
+    def _after_success(
+        self, trainer: Trainer, module: LightningModule, size: int, local_size: int, grow_from: int | None, had_oom: bool
+    ) -> None:
+        self._last_effective_size = local_size
+        self._cuda_measure_end(module.device, local_size)
         if grow_from is not None:
             self._set_size(trainer, grow_from, size, "grow")
             self._clean_batches = 0
