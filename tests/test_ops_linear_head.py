@@ -147,19 +147,20 @@ def test_kl_with_shared_weight_gets_policy_gradient_only():
 
 @pytest.mark.parametrize("name", sorted(OPS) + ["kl"])
 def test_gradcheck_float64(name):
-    hidden, weight, b, targets = make(shape=(2, 3), hidden_size=4, vocab=11, dtype=torch.float64, bias=name != "kl")
-    targets[1, 0] = IGNORE
+    # 3 rows x 7 vocab in (2, 3) tiles: crosses both tile boundaries with ragged last tiles.
+    hidden, weight, b, targets = make(shape=(3,), hidden_size=3, vocab=7, dtype=torch.float64, bias=name != "kl")
+    targets[1] = IGNORE
     if name == "kl":
-        ref_h = torch.randn(2, 3, 4, dtype=torch.float64)
-        ref_w = torch.randn(11, 4, dtype=torch.float64)
+        ref_h = torch.randn(3, 3, dtype=torch.float64)
+        ref_w = torch.randn(7, 3, dtype=torch.float64)
 
         def fn(h, w):
-            return linear_kl(h, w, ref_h, ref_w, temperature=0.9, chunk_size=(2, 4))
+            return linear_kl(h, w, ref_h, ref_w, temperature=0.9, chunk_size=(2, 3))
 
         assert torch.autograd.gradcheck(fn, (hidden, weight))
         return
     fused, _ = OPS[name]
-    assert torch.autograd.gradcheck(lambda h, w, bb: fused(h, w, bb, targets, 0.9, (2, 4)), (hidden, weight, b))
+    assert torch.autograd.gradcheck(lambda h, w, bb: fused(h, w, bb, targets, 0.9, (2, 3)), (hidden, weight, b))
 
 
 # ---------------------------------------------------------------- dtypes, autocast, grads
@@ -250,12 +251,16 @@ def test_ignore_index_gives_zero_and_no_gradient():
     assert (weight.grad == 0).all()
 
 
-@pytest.mark.parametrize("shape", [(), (7,), (2, 3, 5)])
+@pytest.mark.parametrize("shape", [(), (7,), (2, 3, 5), (0, 4)])
 def test_arbitrary_leading_dims_and_noncontiguous(shape):
     hidden, weight, b, targets = make(shape=shape, bias=True)
     out = linear_logprobs(hidden, weight, targets, bias=b, chunk_size=(4, 10))
     assert out.shape == shape
     torch.testing.assert_close(out.double(), ref_logprobs(hidden, weight, targets, b), rtol=1e-5, atol=1e-5)
+    got = grads_of(out, (hidden, weight, b))
+    want = grads_of(ref_logprobs(hidden, weight, targets, b).float(), (hidden, weight, b))
+    for g_got, g_want in zip(got, want):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
     # a transposed (non-contiguous) hidden view
     h = torch.randn(16, 6).T.requires_grad_() if shape == () else None
     if h is not None:

@@ -380,6 +380,14 @@ class _LinearHeadFunction(torch.autograd.Function):
         cdt = lse.dtype
         n, vocab = hidden.shape[0], weight.shape[0]
         size = weight.shape[1]
+        if n == 0:  # no rows: the tile loops would leave the gradients unwritten
+            return (
+                None,
+                torch.zeros_like(hidden) if need_h else None,
+                torch.zeros_like(weight) if need_w else None,
+                torch.zeros_like(bias) if need_b else None,
+                None, None, None, None,
+            )
         device = hidden.device
         inv_t = spec.inv_temperature
         rt, vt = spec.row_tile, spec.vocab_tile
