@@ -4,6 +4,7 @@ trained per role with the TR-RPG loss on rewards decided by executing code in th
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import re
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_memopt.callbacks.oom_recovery import OOMRecovery
 from lit_memopt.data.code_tasks import TASK_BANK, CodeTask, batch_call_program, call_program
 from lit_memopt.models import lm_head_weight
 from lit_memopt.modules.rollout import (
@@ -163,9 +165,11 @@ class CRSPModule(pl.LightningModule):
     sequences with a backward pass per micro-batch, so the autograd graph alive at any time is
     that of one micro-batch of one role. This needs **manual optimization** (Lightning's automatic
     optimization takes one loss per step): set ``trainer.gradient_clip_val=null`` and use this
-    module's ``gradient_clip_val``; OOM recovery for it comes through ``OOMRecovery``'s
-    manual-optimization helper. Micro-batch losses are weighted by their share of the role's
-    response tokens, so the gradient equals that of the whole role batch.
+    module's ``gradient_clip_val``. Micro-batch losses are weighted by their share of the role's
+    response tokens, so the gradient equals that of the whole role batch. Each micro-batch goes
+    through ``OOMRecovery.run_micro_batches`` (the callback's manual-optimization helper): with an
+    ``OOMRecovery`` callback an out-of-memory micro-batch is split further and retried (its parts
+    weighted as that callback's ``loss_weighting`` says); without one it is a plain backward.
 
     With ``role_adapters=True`` (needs LoRA) each role gets its own LoRA adapter (peft multi-adapter,
     same base weights); the reference is still the adapter-free base.
@@ -433,18 +437,27 @@ class CRSPModule(pl.LightningModule):
         advantages = self.normalizers[role].normalize(rewards.to(ids.device, torch.float32))
         weight = lm_head_weight(self.model)
         value = torch.zeros((), device=ids.device)
+        beta = self.betas_by_role[role]
+
+        def micro_batch_loss(part: dict[str, torch.Tensor], share: float) -> torch.Tensor:
+            hidden, targets, positions = response_hidden_states(self.model, part["input_ids"], part["attention_mask"],
+                                                                part["response_mask"])
+            logp = scatter_response(linear_logprobs(hidden, weight, targets, temperature=hp.temperature,
+                                                    chunk_size=hp.chunk_size), positions)
+            return tr_rpg_loss(logp, part["ref"], part["advantages"], beta, mask=positions, clamp=hp.clamp) * share
+
         for start in range(0, ids.shape[0], mb):
             rows = slice(start, start + mb)
             share = int(counted[rows].sum()) / total
             if share == 0:
                 continue
-            hidden, targets, positions = response_hidden_states(self.model, ids[rows], attn[rows], resp[rows])
-            logp = scatter_response(linear_logprobs(hidden, weight, targets, temperature=hp.temperature,
-                                                    chunk_size=hp.chunk_size), positions)
-            loss = tr_rpg_loss(logp, ref[rows], advantages[rows], self.betas_by_role[role], mask=positions,
-                               clamp=hp.clamp) * share
-            self.manual_backward(loss)
-            value = value + loss.detach()
+            part = {"input_ids": ids[rows], "attention_mask": attn[rows], "response_mask": resp[rows],
+                    "ref": ref[rows], "advantages": advantages[rows]}
+            # With an OOMRecovery callback this micro-batch is split further (and retried) on an OOM;
+            # without one it is one forward + manual_backward.
+            loss = OOMRecovery.run_micro_batches(self, part, functools.partial(micro_batch_loss, share=share))
+            if loss is not None:
+                value = value + loss
         return value
 
     # ---------------------------------------------------------------------------------- step
