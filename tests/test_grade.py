@@ -260,8 +260,11 @@ def test_embedded_recipe_reward_rises(tmp_path: Path) -> None:
         return float(out.reward.mean())
 
     start = held_out_reward()
+    # The recipe's default callbacks (MemoryMonitor, OOMRecovery) run unchanged around the module.
+    assert objects.callbacks
     trainer = pl.Trainer(
-        max_steps=12, accelerator="cpu", logger=pl.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+        max_steps=10, accelerator="cpu", logger=pl.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+        callbacks=objects.callbacks, default_root_dir=tmp_path,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, log_every_n_steps=1,
         gradient_clip_val=1.0,
     )

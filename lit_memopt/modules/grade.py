@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_memopt.models.hf import ModelConfig, decoder_of, lm_head_weight
 from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
-from lit_memopt.ops import linear_entropy, linear_kl, soft_embedding, topk_gumbel_softmax
+from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax
 from lit_memopt.rewards.grade_reward import build_rule_reward_model, sequence_reward
 
 MEMORY_MODES = ("optimized", "legacy")
@@ -60,6 +60,11 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """One position's logits, at least in fp32 (Gumbel noise on bf16 logits would be coarse)."""
     logits = F.linear(hidden, weight, bias)
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _entropy(logits: Tensor) -> Tensor:
+    logp = logits.detach().log_softmax(dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def _step_seed(noise_seed: int, step: int, batch_idx: int) -> int:
@@ -114,6 +119,8 @@ class GradeModule(pl.LightningModule):
         reward_label: for a reward model with several labels, the index whose probability is the
             reward; ``None`` for a one-logit model, whose logit is the reward.
         noise_seed: seed of the Gumbel noise (one generator per step and batch, derived from it).
+        head_vocab_tile: vocabulary rows per tile of the fused KL (``linear_kl``); its fp32
+            temporaries are about ``head_vocab_tile * hidden_size * 4`` bytes.
 
     Raises:
         ValueError: an argument outside its accepted values (named in the message), or a reward
@@ -153,11 +160,13 @@ class GradeModule(pl.LightningModule):
         checkpoint_steps: bool = False,
         reward_label: int | None = None,
         noise_seed: int = 0,
+        head_vocab_tile: int = 4096,
     ) -> None:
         super().__init__()
         self._validate_arguments(
             lr=lr, warmup_steps=warmup_steps, max_new_tokens=max_new_tokens, top_k=top_k, tau_start=tau_start,
             tau_end=tau_end, tau_anneal_steps=tau_anneal_steps, kl_coef=kl_coef, memory_mode=memory_mode,
+            head_vocab_tile=head_vocab_tile,
         )
         self.save_hyperparameters(ignore=["model_config", "tokenizer", "reward_model"])
         self.model_config = model_config
@@ -198,6 +207,8 @@ class GradeModule(pl.LightningModule):
             raise ValueError(f"module.tau_anneal_steps must be >= 0, got {kw['tau_anneal_steps']!r}.")
         if kw["kl_coef"] < 0:
             raise ValueError(f"module.kl_coef must be >= 0, got {kw['kl_coef']!r}.")
+        if int(kw["head_vocab_tile"]) < 1:
+            raise ValueError(f"module.head_vocab_tile must be >= 1, got {kw['head_vocab_tile']!r}.")
         if kw["memory_mode"] not in MEMORY_MODES:
             raise ValueError(f"module.memory_mode={kw['memory_mode']!r} is not supported; use one of {list(MEMORY_MODES)}.")
 
@@ -328,6 +339,9 @@ class GradeModule(pl.LightningModule):
         embedding = self.policy.get_input_embeddings().weight
         k = weight.shape[0] if hp.top_k is None else int(hp.top_k)
         batch = input_ids.shape[0]
+        # All B rows in one tile and wide vocabulary tiles: with a handful of rows, the automatic
+        # tiling (sized for [tokens, vocab] workloads) would cut the head into thousands of slivers.
+        head_tiles = (batch, int(hp.head_vocab_tile))
         mask = attention_mask.long()
         positions = position_ids_from_mask(mask)
         next_position = mask.sum(dim=-1, keepdim=True)
@@ -347,15 +361,18 @@ class GradeModule(pl.LightningModule):
             # Only this position's [B, V] logits exist, and only until top-k has picked from them.
             logits = _logits(hidden, weight, bias)
             weights, ids = topk_gumbel_softmax(logits, tau, k, hard=bool(hp.hard), generator=generator)
+            with torch.no_grad():
+                policy_entropy.append(_entropy(logits))
             del logits
-            kl_steps.append(linear_kl(hidden, weight, ref_hidden, ref_weight, bias=bias, ref_bias=ref_bias))
+            kl_steps.append(
+                linear_kl(hidden, weight, ref_hidden, ref_weight, bias=bias, ref_bias=ref_bias, chunk_size=head_tiles)
+            )
             token = ids.gather(-1, weights.argmax(dim=-1, keepdim=True)).squeeze(-1)
             weights_steps.append(weights)
             ids_steps.append(ids)
             tokens.append(token)
             with torch.no_grad():
                 soft_entropy.append(torch.special.entr(weights.detach().float()).sum(dim=-1))
-                policy_entropy.append(linear_entropy(hidden.detach(), weight.detach(), bias=bias))
             if t == steps - 1:
                 break
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
@@ -425,8 +442,7 @@ class GradeModule(pl.LightningModule):
         reward = self._reward(soft_all.to(reward_embedding.dtype) @ reward_embedding)
         loss = -reward.mean() + float(hp.kl_coef) * kl.mean()
         with torch.no_grad():
-            probs = logp.exp()
-            policy_entropy = -(probs * logp).sum(dim=-1)
+            policy_entropy = _entropy(logits_all)
             soft_entropy = torch.special.entr(soft_all.detach()).sum(dim=-1)
         return GradeOutput(
             loss=loss, reward=reward, kl=kl, tokens=soft_all.argmax(dim=-1),
