@@ -241,14 +241,24 @@ class IntuitorModule(pl.LightningModule):
             self.log("train/accuracy", accuracy.mean(), prog_bar=True, batch_size=num_prompts)
         return loss
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+    @torch.no_grad()
+    def sample_self_certainty(self, batch: dict[str, Any], num_samples: int = 1, seed: int = 0) -> tuple[Rollout, torch.Tensor]:
+        """Sample ``num_samples`` responses per prompt (seeded) and return them with their self-certainty ``[N]``.
+
+        The score is the reward of :meth:`training_step`: the mean over response tokens of
+        ``KL(U || p)`` at the module's temperature. Useful for evaluation on fixed prompts.
+        """
         from lit_memopt.ops import linear_self_certainty
 
         hp = self.hparams
-        rollout = self._rollout(batch, 1, int(hp.seed) + batch_idx)  # fixed seeds: comparable across runs
+        rollout = self._rollout(batch, num_samples, seed)
         hidden, _, positions = response_hidden_states(self.model, rollout.input_ids, rollout.attention_mask, rollout.response_mask)
         tokens = linear_self_certainty(hidden, lm_head_weight(self.model), temperature=hp.temperature, chunk_size=hp.chunk_size)
-        certainty = masked_mean(scatter_response(tokens, positions), positions, dim=-1) - self._log_vocab()
+        return rollout, masked_mean(scatter_response(tokens, positions), positions, dim=-1) - self._log_vocab()
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        # Fixed seeds per batch index: validation numbers are comparable across steps and runs.
+        rollout, certainty = self.sample_self_certainty(batch, 1, int(self.hparams.seed) + batch_idx)
         num_prompts = batch["input_ids"].shape[0]
         self.log("val/self_certainty", certainty.mean(), batch_size=num_prompts, sync_dist=True)
         self.log("val/response_length", rollout.response_lengths.float().mean(), batch_size=num_prompts, sync_dist=True)
