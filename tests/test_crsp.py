@@ -185,3 +185,15 @@ def test_scripted_policy_gets_execution_decided_rewards(monkeypatch) -> None:
     # Critiqued answers are the first two (both correct): "correct" agrees, "incorrect" does not.
     assert metrics["train/critique_agreement"] == pytest.approx(0.5)
     assert metrics["train/sandbox_wrong"] >= 1 and metrics["train/sandbox_ok"] >= 1
+
+
+@pytest.mark.slow
+def test_role_adapters_each_role_trains_its_own() -> None:
+    module = _module(role_adapters=True)
+    adapter_of = lambda name: name.split(".")[-2]  # ...lora_A.<adapter>.weight
+    lora = {n: p for n, p in module.model.named_parameters() if "lora_" in n}
+    assert {adapter_of(n) for n in lora} == {"propose", "solve", "critique"}
+    before = {n: p.detach().clone() for n, p in lora.items()}
+    _trainer(1).fit(module, datamodule=CodeTaskDataModule(module.tokenizer, batch_size=2))
+    changed = {adapter_of(n) for n, p in module.model.named_parameters() if "lora_" in n and not torch.equal(p, before[n])}
+    assert changed == {"propose", "solve", "critique"}

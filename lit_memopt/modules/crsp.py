@@ -285,6 +285,9 @@ class CRSPModule(pl.LightningModule):
         for role in ROLES:
             self.model.add_adapter(role, LoraConfig(r=base.r, lora_alpha=base.lora_alpha, lora_dropout=base.lora_dropout,
                                                     target_modules=base.target_modules, task_type="CAUSAL_LM"))
+        # The adapter ModelConfig.apply_lora made would never be trained: drop it.
+        self.model.set_adapter("solve")
+        self.model.delete_adapter("default")
 
     def setup(self, stage: str) -> None:
         if self.sandbox is None:
