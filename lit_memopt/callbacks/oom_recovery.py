@@ -505,9 +505,12 @@ class OOMRecovery(Callback):
         self._replay_logs(module, logs)
         if mode == "manual":
             self._add_grads(params, new_grads, sync=self._ddp, device=module.device)
-        else:
+        elif total_loss is not None:
             self._pending_grads = new_grads
             self._pending_sync = self._ddp and not self._should_accumulate(trainer, batch_idx)
+        else:
+            # Every micro-batch returned None: Lightning skips backward, so there is nothing to hand over.
+            self._pending_grads = None
         return total_loss, output
 
     def _attempt(
@@ -650,14 +653,17 @@ class OOMRecovery(Callback):
     def _replay_logs(self, module: LightningModule, logs: list[tuple[float, list]]) -> None:
         if not any(sink for _, sink in logs):
             return
-        if self._log_signature is None:
-            self._log_signature = inspect.signature(type(module).log)
         names: dict[str, list[tuple[Any, float, tuple, dict]]] = {}
         for share, sink in logs:
             for name, value, args, kwargs in sink:
                 names.setdefault(name, []).append((value, share, args, kwargs))
         for name, calls in names.items():
             value, _, args, kwargs = calls[-1]
+            if len(calls) == 1:
+                module.log(name, value, *args, **kwargs)  # one micro-batch: nothing to combine
+                continue
+            if self._log_signature is None:
+                self._log_signature = inspect.signature(type(module).log)
             try:
                 bound = self._log_signature.bind(module, name, value, *args, **kwargs)
                 reduce_fx = bound.arguments.get("reduce_fx", "mean")
