@@ -146,9 +146,10 @@ def test_task_bank_runs_in_sandbox_and_datamodule() -> None:
     dm = CodeTaskDataModule(batch_size=3, num_samples=6)
     dm.setup("fit")
     batches = list(dm.train_dataloader())
-    assert [len(b) for b in batches] == [3, 3] and all(t in TASK_BANK for b in batches for t in b)
+    assert [len(b["tasks"]) for b in batches] == [3, 3] and all(t in TASK_BANK for b in batches for t in b["tasks"])
+    assert all(TASK_BANK[i] == t for b in batches for i, t in zip(b["task_index"].tolist(), b["tasks"]))
     again = CodeTaskDataModule(batch_size=3, num_samples=6)
     again.setup("fit")
-    assert [t.name for b in again.train_dataloader() for t in b] == [t.name for b in batches for t in b]
+    assert [t.name for b in again.train_dataloader() for t in b["tasks"]] == [t.name for b in batches for t in b["tasks"]]
     with pytest.raises(ValueError, match="unknown names"):
         CodeTaskDataModule(tasks=["nope"])

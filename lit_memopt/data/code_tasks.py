@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["CodeTask", "CodeTaskDataModule", "TASK_BANK", "call_program", "batch_call_program"]
@@ -104,15 +105,18 @@ class _TaskSampler(Dataset):
         return self.bank[random.Random(self.seed * 1_000_003 + int(index)).randrange(len(self.bank))]
 
 
-def _as_list(batch: list[CodeTask]) -> list[CodeTask]:
-    return batch
+def _collate(tasks: list[CodeTask]) -> dict[str, Any]:
+    # The leading tensor gives callbacks that size batches by their first tensor (MemoryMonitor,
+    # OOMRecovery) the number of tasks; the tasks themselves are text.
+    return {"task_index": torch.tensor([TASK_BANK.index(t) if t in TASK_BANK else -1 for t in tasks]), "tasks": tasks}
 
 
 class CodeTaskDataModule(pl.LightningDataModule):
     """Batches of seed tasks from :data:`TASK_BANK` for CRSP (offline, deterministic).
 
-    Each batch is a ``list[CodeTask]``: the proposer is shown one as an example, and the solver and
-    critique roles fall back to it when a proposal is invalid.
+    Each batch is ``{"task_index": LongTensor[B], "tasks": list[CodeTask]}`` (indices into
+    :data:`TASK_BANK`): the proposer is shown each task as an example, and the solver and critique
+    roles fall back to it when a proposal is invalid.
 
     Args:
         tokenizer: unused (kept for the CLI's uniform ``DataModule(tokenizer, ...)`` contract).
@@ -128,7 +132,7 @@ class CodeTaskDataModule(pl.LightningDataModule):
 
         dm = CodeTaskDataModule(tokenizer=None, batch_size=2)
         dm.setup("fit")
-        batch = next(iter(dm.train_dataloader()))   # [CodeTask, CodeTask]
+        batch = next(iter(dm.train_dataloader()))   # {"task_index": tensor([i, j]), "tasks": [CodeTask, CodeTask]}
     """
 
     def __init__(
@@ -160,7 +164,7 @@ class CodeTaskDataModule(pl.LightningDataModule):
         self.val_set = _TaskSampler(self.tasks, max(self.batch_size, 8), self.seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=_as_list)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=_as_list)
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate)

@@ -318,7 +318,7 @@ class CRSPModule(pl.LightningModule):
                                  betas=tuple(self.hparams.betas))
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        # A batch is a list of CodeTask (text only); prompts become tensors on the right device later.
+        # A batch is text (CodeTask) plus an index tensor; prompts become tensors on the right device later.
         return batch
 
     # ------------------------------------------------------------------------------- helpers
@@ -464,7 +464,8 @@ class CRSPModule(pl.LightningModule):
         return value
 
     # ---------------------------------------------------------------------------------- step
-    def training_step(self, batch: list[CodeTask], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, Any] | list[CodeTask], batch_idx: int) -> torch.Tensor:
+        batch = _tasks_of(batch)
         hp = self.hparams
         optimizer = self.optimizers()
         sandbox = self.sandbox
@@ -544,8 +545,9 @@ class CRSPModule(pl.LightningModule):
         self.log("train/sandbox_cache_hit_rate", torch.tensor(sandbox.cache_hit_rate, device=device), batch_size=bs)
         return total_loss
 
-    def validation_step(self, batch: list[CodeTask], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Any] | list[CodeTask], batch_idx: int) -> None:
         """Solve rate of the output-prediction task on bank tasks (one sample each)."""
+        batch = _tasks_of(batch)
         sandbox = self.sandbox
         assert sandbox is not None
         verdicts = sandbox.run_many([(batch_call_program(t.program, t.inputs), "") for t in batch])
@@ -557,6 +559,14 @@ class CRSPModule(pl.LightningModule):
         self._check_answers(tasks)
         rate = sum(t.correct[0] for t in tasks) / len(tasks)
         self.log("val/solve_rate", torch.tensor(rate, device=self.device), batch_size=len(batch), sync_dist=True)
+
+
+def _tasks_of(batch: dict[str, Any] | list[CodeTask]) -> list[CodeTask]:
+    """The tasks of a :class:`~lit_memopt.data.code_tasks.CodeTaskDataModule` batch (or a plain list of them)."""
+    tasks = batch["tasks"] if isinstance(batch, dict) else batch
+    if not tasks or not all(isinstance(t, CodeTask) for t in tasks):
+        raise TypeError(f"CRSPModule expects batches of CodeTask (CodeTaskDataModule); got {type(batch).__name__}.")
+    return list(tasks)
 
 
 def _split_list_repr(text: str, count: int) -> list[str] | None:
