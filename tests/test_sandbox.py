@@ -179,7 +179,7 @@ def test_cannot_kill_the_trainer(sandbox: Sandbox) -> None:
                     "import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('alive')",
                     "import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)"):
         verdict = sandbox.run(program)
-        assert verdict.status in VERDICTS
+        assert verdict.status == "error", verdict  # refused, or the program killed only itself
     assert psutil.Process().is_running()  # the trainer is this test process: still here
     _assert_nothing_left(sandbox)
 

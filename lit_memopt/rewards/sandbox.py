@@ -145,14 +145,14 @@ if init == 0:
                 except BaseException:
                     code = code or 1
             os._exit(code & 255)
-        status = None
+        status, cpu = None, 0.0
         while status is None:
             try:
-                pid, st = os.waitpid(-1, 0)
+                pid, st, usage = os.wait4(-1, 0)
             except ChildProcessError:
                 break
             if pid == worker:
-                status = st
+                status, cpu = st, usage.ru_utime + usage.ru_stime
         if not cfg["pid"]:
             try:
                 os.killpg(worker, 9)
@@ -167,7 +167,7 @@ if init == 0:
                     break
         if status is not None:
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-            tell({"exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None, "signal": sig})
+            tell({"exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None, "signal": sig, "cpu_s": cpu})
     finally:
         os._exit(0)  # as PID 1 of the namespace: the kernel now kills and reaps everything left in it
 deadline = time.monotonic() + cfg["wall_time_s"]
@@ -710,7 +710,9 @@ class Sandbox:
         exit_code, sig = outcome.get("exit"), outcome.get("signal") or 0
         if outcome.get("timeout"):
             return Verdict("timeout", stdout, stderr, None, wall, f"wall clock > {lim.wall_time_s}s")
-        if sig in (signal.SIGXCPU, signal.SIGKILL):  # soft / hard RLIMIT_CPU
+        # Soft RLIMIT_CPU sends SIGXCPU, the hard one SIGKILL; any other SIGKILL (the program killing
+        # its own process group, say) is an error.
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and outcome.get("cpu_s", 0.0) >= lim.cpu_time_s):
             return Verdict("timeout", stdout, stderr, -sig, wall, f"CPU time > {lim.cpu_time_s}s")
         if exit_code == _EXIT_MEMORY or (exit_code and "MemoryError" in stderr[-400:]):
             return Verdict("memory", stdout, stderr, exit_code, wall, f"address space > {lim.memory_mb} MiB")
