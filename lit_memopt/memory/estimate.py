@@ -186,9 +186,52 @@ class _StepTracker(MemTracker):
         self.phase_peaks: dict[str, int] = {}
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        super()._pre_fw_hook(module, inputs)
-        stats = self.memory_tracking[module]
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            # A repeated call: a generation loop runs the same decoder once per token. The stock
+            # tracker refuses a top-level module called twice; record each call like a reused submodule.
+            stats = self.memory_tracking[module]
+            stats.mod_fqn = self._mod_tracker.get_known_fqn(module) or stats.mod_fqn
+            stats.input_mem = self._track_inputs_or_outputs(inputs)
+            snapshot = self.get_tracker_snapshot()
+            stats.local_peak = {dev: dev_snap["Total"] for dev, dev_snap in snapshot.items()}
+            stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
+            stats.snapshots.setdefault(_ModState.PRE_FW, []).append(copy.deepcopy(snapshot))
+        else:
+            super()._pre_fw_hook(module, inputs)
+            stats = self.memory_tracking[module]
         self._stats_by_name[stats.mod_fqn] = stats
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # Fake tensors cannot draw from an explicit torch.Generator (e.g. seeded Gumbel noise);
+        # random values are irrelevant to memory, so such draws use the default generator.
+        if kwargs and kwargs.get("generator") is not None and self._fake_mode_on_entry is not None:
+            kwargs = {**kwargs, "generator": None}
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # The stock version registers gradient hooks on every parameter, which fails on frozen
+        # ones (a reference model, a reward model): those get no hook, they never get a gradient.
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        param_memory = 0
+        for param in module.parameters():
+            winfos = self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
+            param_memory += sum(w.mem_consumed for w in winfos)
+            if param.grad is not None:
+                self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+            if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(grad_hook),
+                    param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad)),
+                )
+        buffer_memory = 0
+        for buffer in module.buffers():
+            winfos = self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
+            buffer_memory += sum(w.mem_consumed for w in winfos)
+        return param_memory, buffer_memory
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         current = self._curr_mem_snap
@@ -918,8 +961,19 @@ class EstimateReport:
         return out
 
 
-def build_recipe_estimator(cfg: Any) -> tuple[Callable[[], Any], Any, str, str]:
-    """(module factory, one real batch, recipe name, model name) from a composed lit-memopt config."""
+@dataclass
+class RecipeParts:
+    """What an estimate of a recipe needs: module builders (fake and real), one real batch, names."""
+
+    build_fake: Callable[[], Any]
+    build_real: Callable[[], Any]
+    batch: Any
+    recipe: str
+    model: str
+
+
+def build_recipe_estimator(cfg: Any) -> RecipeParts:
+    """Module builders and one real batch from a composed lit-memopt config, as ``lit-memopt fit`` builds them."""
     from hydra.utils import instantiate
 
     if "module" not in cfg or cfg.module is None:
@@ -930,10 +984,44 @@ def build_recipe_estimator(cfg: Any) -> tuple[Callable[[], Any], Any, str, str]:
     batch = _recipe_batch(datamodule)
     module_factory = instantiate(cfg.module, _partial_=True)
 
-    def build() -> Any:
+    def build_fake() -> Any:
+        return build_fake_module(module_factory, model_config, tokenizer)
+
+    def build_real() -> Any:
         return module_factory(model_config=model_config, tokenizer=tokenizer)
 
-    return build, batch, str(cfg.get("recipe_name") or "?"), str(getattr(model_config, "name", "model"))
+    return RecipeParts(build_fake, build_real, batch, str(cfg.get("recipe_name") or "?"), str(getattr(model_config, "name", "model")))
+
+
+def build_fake_module(module_factory: Callable[..., Any], model_config: Any, tokenizer: Any) -> Any:
+    """``module_factory(model_config=..., tokenizer=...)`` with fake weights, allocating no real memory for them.
+
+    The whole module is built inside ``fake_mode()``. A module whose constructor needs values
+    (e.g. GRADE trains its small rule reward classifier at start) is built again with real
+    tensors except for the language models, which ``model_config.build_model`` makes fake.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    try:
+        with fake_mode():
+            return module_factory(model_config=model_config, tokenizer=tokenizer)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        pass
+    build_model = getattr(model_config, "build_model", None)
+    if build_model is None:
+        raise EstimateError(
+            f"estimate: {type(model_config).__name__} has no build_model() and the module's constructor reads tensor values"
+        )
+    # Real and fake tensors then meet in one step: the mode turns the real ones into fakes on use.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake_build_model(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return build_model(*args, **kwargs)
+
+    proxy = copy.copy(model_config)
+    object.__setattr__(proxy, "build_model", fake_build_model)
+    return module_factory(model_config=proxy, tokenizer=tokenizer)
 
 
 def estimate_recipe(cfg: Any) -> EstimateReport:
@@ -948,11 +1036,10 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         raise ValueError(f"safety_margin must be in [0, 1), got {margin!r}")
 
     started = time.perf_counter()
-    build, batch, recipe, model = build_recipe_estimator(cfg)
-    batch = resize_batch(batch, batch_size, seq_len)
+    parts = build_recipe_estimator(cfg)
+    batch = resize_batch(parts.batch, batch_size, seq_len)
     # Built once: a step changes fake weights, which have no values to change, so probes can share it.
-    with fake_mode():
-        module = build()
+    module = parts.build_fake()
     # The peak reported is a CUDA device's: there PyTorch's optimizers default to foreach.
     estimate = estimate_peak(module, batch, optimizer_foreach=True)
     fit = None
@@ -971,10 +1058,10 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         device = torch.cuda.get_device_name()
         free, _ = torch.cuda.mem_get_info()
         if estimate.peak_bytes < free:
-            measured = _measure_on_cuda(build, batch, None)
+            measured = _measure_on_cuda(parts.build_real, batch, None)
     return EstimateReport(
-        recipe=recipe,
-        model=model,
+        recipe=parts.recipe,
+        model=parts.model,
         estimate=estimate,
         gpu_memory_bytes=gpu_bytes,
         safety_margin=margin,
