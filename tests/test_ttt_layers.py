@@ -98,7 +98,7 @@ def _grads(layer, x, fn):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-@pytest.mark.parametrize("T", [8, 11, 3])  # full mini-batches, full + remainder, remainder only
+@pytest.mark.parametrize("T", [11, 3])  # full mini-batches + remainder, remainder only
 def test_dual_form_matches_primal_outputs_and_gradients(kind, T):
     layer = _make(kind, base_lr=3.0)
     x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(1))
@@ -116,7 +116,7 @@ def test_scan_checkpointing_gives_identical_gradients(kind):
     plain = _make(kind)
     ref_out = plain(x)
     ref = _grads(plain, x, plain)
-    for group in (1, 2, 4, 100):
+    for group in (1, 4):  # 6 full mini-batches: groups of one, and groups of 4 + 2
         layer = _make(kind, checkpoint_group_size=group)
         assert torch.equal(layer(x), ref_out)
         got = _grads(layer, x, layer)

@@ -60,19 +60,16 @@ _INNER_LN_EPS = 1e-6
 
 
 def _layer_norm(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    mean = z.mean(dim=-1, keepdim=True)
-    centered = z - mean
-    rstd = torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + _INNER_LN_EPS)
-    return centered * rstd * weight + bias
+    var, mean = torch.var_mean(z, dim=-1, keepdim=True, correction=0)
+    return torch.addcmul(bias, (z - mean) * torch.rsqrt(var + _INNER_LN_EPS), weight)
 
 
 def _layer_norm_l2_grad(z: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``d/dz 0.5 * ||LN(z) - target||^2`` row by row (LayerNorm's backward written out)."""
-    mean = z.mean(dim=-1, keepdim=True)
-    centered = z - mean
-    rstd = torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + _INNER_LN_EPS)
-    z_hat = centered * rstd
-    grad_hat = (z_hat * weight + bias - target) * weight
+    var, mean = torch.var_mean(z, dim=-1, keepdim=True, correction=0)
+    rstd = torch.rsqrt(var + _INNER_LN_EPS)
+    z_hat = (z - mean) * rstd
+    grad_hat = torch.addcmul(bias - target, z_hat, weight) * weight
     return rstd * (
         grad_hat - grad_hat.mean(dim=-1, keepdim=True) - z_hat * (grad_hat * z_hat).mean(dim=-1, keepdim=True)
     )
@@ -225,9 +222,15 @@ class _TTTLayer(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         eta: torch.Tensor,
+        eta_qk: torch.Tensor,
         norm_w: torch.Tensor,
         norm_b: torch.Tensor,
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """One inner step on a mini-batch of ``m`` tokens (all tensors ``[batch * heads, ...]``).
+
+        ``eta`` is ``E [m, m]``, ``eta_qk`` is ``E * Q K^T``; returns the state after the last
+        token and ``f(q_i; W_i)`` for every token (before the output LayerNorm).
+        """
         raise NotImplementedError
 
     def _saved_floats_per_mini_batch(self, b: int) -> int:
@@ -267,8 +270,13 @@ class _TTTLayer(nn.Module):
         B, T, _ = x.shape
         H, d, b = self.num_heads, self.head_dim, self.mini_batch_size
 
+        # Batch and heads are merged into one leading dim so every product is a plain 3-D bmm
+        # (cheaper than 4-D matmul eagerly, and far cheaper under fake tensors).
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(B, T, H, d).transpose(1, 2)
+            return t.reshape(B, T, H, d).transpose(1, 2).reshape(B * H, T, d)
+
+        def per_head(p: torch.Tensor) -> torch.Tensor:
+            return p.unsqueeze(0).expand(B, *p.shape).reshape(B * H, *p.shape[1:])
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         # The inner loop accumulates weight updates over the whole sequence: run it in (at least)
@@ -276,77 +284,71 @@ class _TTTLayer(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            lr = self.inner_lr(x, dtype)
-            norm_w = self.inner_norm_weight.to(dtype)[None, :, None, :]
-            norm_b = self.inner_norm_bias.to(dtype)[None, :, None, :]
-            state = tuple(p.to(dtype).unsqueeze(0).expand(B, *p.shape) for p in self.inner_parameters())
+            lr = self.inner_lr(x, dtype).reshape(B * H, T)
+            norm = (per_head(self.inner_norm_weight.to(dtype)[:, None]), per_head(self.inner_norm_bias.to(dtype)[:, None]))
+            state = tuple(per_head(p.to(dtype)) for p in self.inner_parameters())
             n_full, rem = divmod(T, b)
             outputs: list[torch.Tensor] = []
             if n_full:
                 cut = n_full * b
 
                 def mini_batches(t: torch.Tensor) -> torch.Tensor:
-                    return t[:, :, :cut].reshape(B, H, n_full, b, *t.shape[3:])
+                    return t[:, :cut].reshape(B * H, n_full, b, *t.shape[2:])
 
+                group = self._group_size(n_full, B, x.device)
+                self.last_group_size = group
                 state, out = self._scan(
-                    state, mini_batches(q), mini_batches(k), mini_batches(v), mini_batches(lr), norm_w, norm_b
+                    state, (mini_batches(q), mini_batches(k), mini_batches(v), mini_batches(lr)), norm, group
                 )
-                outputs.append(out.reshape(B, H, cut, d))
+                outputs.append(out.reshape(B * H, cut, d))
             if rem:
-                # the remainder is a shorter mini-batch that starts from the last full state
-                eta = self._eta(lr[:, :, T - rem :], rem)
-                state, out = self._mini_batch_step(
-                    state, q[:, :, T - rem :], k[:, :, T - rem :], v[:, :, T - rem :], eta, norm_w, norm_b
-                )
-                outputs.append(out)
-            out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-        out = out.transpose(1, 2).reshape(B, T, self.hidden_size).to(x.dtype)
+                # the remainder is one shorter mini-batch that starts from the last full state
+                tail = tuple(t[:, T - rem :].unsqueeze(1) for t in (q, k, v, lr))
+                state, out = self._scan(state, tail, norm, group=0)
+                outputs.append(out.reshape(B * H, rem, d))
+            out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        out = out.reshape(B, H, T, d).transpose(1, 2).reshape(B, T, self.hidden_size).to(x.dtype)
         return self.o_proj(self.post_norm(out))
-
-    def _eta(self, lr: torch.Tensor, length: int) -> torch.Tensor:
-        """``E[..., i, j] = s_i * lr_j`` for ``j <= i`` else 0, shape ``[..., length, length]``."""
-        scale = self.token_scale(length, lr.dtype)
-        return torch.tril(scale[:, None] * lr.unsqueeze(-2))
 
     def _scan(
         self,
         state: tuple[torch.Tensor, ...],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lr: torch.Tensor,
-        norm_w: torch.Tensor,
-        norm_b: torch.Tensor,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        norm: tuple[torch.Tensor, torch.Tensor],
+        group: int,
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Step through the mini-batches (dim 2); checkpoint every ``group`` of them when training."""
-        n = q.shape[2]
-        group = self._group_size(n, q.shape[0], q.device)
-        self.last_group_size = group
-        n_state = len(state)
+        """Step through mini-batches ``inputs[i][:, j]`` (each ``[BH, m, ...]``) in order.
 
-        def run(first: int, last: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        With ``group > 0`` (and autograd recording), every ``group`` consecutive mini-batches run
+        inside one non-reentrant checkpoint: backward keeps only the states between groups.
+        """
+        q, k, v, lr = inputs
+        n, m = q.shape[1], q.shape[2]
+        n_state = len(state)
+        # State-independent parts for all mini-batches at once, outside the checkpointed groups, so
+        # the graph (and the gradients, bit for bit) does not depend on the group size.
+        eta = torch.tril(self.token_scale(m, lr.dtype)[:, None] * lr.unsqueeze(-2))
+        eta_qk = eta * torch.matmul(q, k.transpose(-1, -2))
+
+        def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             st = tuple(tensors[:n_state])
-            q_, k_, v_, lr_, nw, nb = tensors[n_state:]
+            q, k, v, eta, eta_qk, norm_w, norm_b = tensors[n_state:]
             outs = []
-            for i in range(last - first):
-                eta = self._eta(lr_[:, :, i], self.mini_batch_size)
-                st, o = self._mini_batch_step(st, q_[:, :, i], k_[:, :, i], v_[:, :, i], eta, nw, nb)
-                outs.append(o)
-            return (*st, torch.stack(outs, dim=2))
+            for i in range(q.shape[1]):
+                st, z_bar = self._mini_batch_step(st, q[:, i], k[:, i], v[:, i], eta[:, i], eta_qk[:, i], norm_w, norm_b)
+                # output rule o_i = q_i + LN(f(q_i; W_i))
+                outs.append(q[:, i] + _layer_norm(z_bar, norm_w, norm_b))
+            return (*st, torch.stack(outs, dim=1))
 
         use_checkpoint = group > 0 and torch.is_grad_enabled()
         step = group if use_checkpoint else n
         outputs = []
         for first in range(0, n, step):
-            last = min(first + step, n)
-            args = (*state, q[:, :, first:last], k[:, :, first:last], v[:, :, first:last], lr[:, :, first:last], norm_w, norm_b)
-            if use_checkpoint:
-                result = checkpoint(run, first, last, *args, use_reentrant=False)
-            else:
-                result = run(first, last, *args)
-            state, out = tuple(result[:n_state]), result[n_state]
-            outputs.append(out)
-        return state, outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+            args = (*state, *(t[:, first : first + step] for t in (q, k, v, eta, eta_qk)), *norm)
+            result = checkpoint(run, *args, use_reentrant=False) if use_checkpoint else run(*args)
+            state = tuple(result[:n_state])
+            outputs.append(result[n_state])
+        return state, outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def extra_repr(self) -> str:
         return (
@@ -400,15 +402,16 @@ class TTTLinear(_TTTLayer):
         d = self.head_dim
         return 24 * b * d + 3 * b * b + d * d
 
-    def _mini_batch_step(self, state, q, k, v, eta, norm_w, norm_b):
+    def _mini_batch_step(self, state, q, k, v, eta, eta_qk, norm_w, norm_b):
         W, bias = state
-        z = k @ W + bias
+        z = torch.baddbmm(bias, k, W)
         grad = _layer_norm_l2_grad(z, v - k, norm_w, norm_b)
-        z_bar = q @ W - (eta * (q @ k.transpose(-1, -2))) @ grad + bias - eta @ grad
-        last = eta[..., -1, :].unsqueeze(-1)  # the last token's row: state for the next mini-batch
-        W_next = W - (last * k).transpose(-1, -2) @ grad
-        b_next = bias - (last * grad).sum(dim=-2, keepdim=True)
-        return (W_next, b_next), q + _layer_norm(z_bar, norm_w, norm_b)
+        # dual form: Z_bar = Q W0 - (E * Q K^T) G + b0 - E G
+        z_bar = torch.baddbmm(bias, q, W) - torch.bmm(eta_qk + eta, grad)
+        last = eta[:, -1, :].unsqueeze(-1)  # the last token's row gives the state for the next mini-batch
+        W_next = W - torch.bmm((last * k).transpose(-1, -2), grad)
+        b_next = bias - torch.bmm(last.transpose(-1, -2), grad)
+        return (W_next, b_next), z_bar
 
 
 class TTTMLP(_TTTLayer):
@@ -448,22 +451,24 @@ class TTTMLP(_TTTLayer):
         d, m = self.head_dim, self.expansion * self.head_dim
         return 16 * b * d + 14 * b * m + 6 * b * b + 2 * d * m
 
-    def _mini_batch_step(self, state, q, k, v, eta, norm_w, norm_b):
+    def _mini_batch_step(self, state, q, k, v, eta, eta_qk, norm_w, norm_b):
         W1, b1, W2, b2 = state
-        z1 = k @ W1 + b1
+        z1 = torch.baddbmm(b1, k, W1)
         x2 = F.gelu(z1)
-        z2 = x2 @ W2 + b2
+        z2 = torch.baddbmm(b2, x2, W2)
         grad2 = _layer_norm_l2_grad(z2, v - k, norm_w, norm_b)
-        grad1 = (grad2 @ W2.transpose(-1, -2)) * _gelu_grad(z1)
-        z1_bar = q @ W1 - (eta * (q @ k.transpose(-1, -2))) @ grad1 + b1 - eta @ grad1
+        grad1 = torch.bmm(grad2, W2.transpose(-1, -2)) * _gelu_grad(z1)
+        # dual form, layer by layer: the second layer's "keys" are x2, its "queries" x2_bar
+        z1_bar = torch.baddbmm(b1, q, W1) - torch.bmm(eta_qk + eta, grad1)
         x2_bar = F.gelu(z1_bar)
-        z2_bar = x2_bar @ W2 - (eta * (x2_bar @ x2.transpose(-1, -2))) @ grad2 + b2 - eta @ grad2
-        last = eta[..., -1, :].unsqueeze(-1)
-        W1_next = W1 - (last * k).transpose(-1, -2) @ grad1
-        b1_next = b1 - (last * grad1).sum(dim=-2, keepdim=True)
-        W2_next = W2 - (last * x2).transpose(-1, -2) @ grad2
-        b2_next = b2 - (last * grad2).sum(dim=-2, keepdim=True)
-        return (W1_next, b1_next, W2_next, b2_next), q + _layer_norm(z2_bar, norm_w, norm_b)
+        eta_x2 = eta * torch.bmm(x2_bar, x2.transpose(-1, -2))
+        z2_bar = torch.baddbmm(b2, x2_bar, W2) - torch.bmm(eta_x2 + eta, grad2)
+        last = eta[:, -1, :].unsqueeze(-1)
+        W1_next = W1 - torch.bmm((last * k).transpose(-1, -2), grad1)
+        b1_next = b1 - torch.bmm(last.transpose(-1, -2), grad1)
+        W2_next = W2 - torch.bmm((last * x2).transpose(-1, -2), grad2)
+        b2_next = b2 - torch.bmm(last.transpose(-1, -2), grad2)
+        return (W1_next, b1_next, W2_next, b2_next), z2_bar
 
 
 def ttt_layer_class(layer_type: str) -> type[_TTTLayer]:
@@ -570,7 +575,9 @@ class TTTConfig:
 
     def build_model(self) -> "TTTForCausalLM":
         """A randomly initialised :class:`TTTForCausalLM` in ``dtype``."""
-        return TTTForCausalLM(self).to(self.torch_dtype)
+        model = TTTForCausalLM(self)
+        # skip a no-op .to(): under FakeTensorMode it would try (and fail) to swap parameters
+        return model if self.torch_dtype == torch.float32 else model.to(self.torch_dtype)
 
     def build_tokenizer(self):
         from lit_memopt.models.hf import build_tokenizer
