@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memopt.callbacks.oom_recovery import OOMRecovery
-from lit_memopt.data.code_tasks import TASK_BANK, CodeTask, batch_call_program, call_program
+from lit_memopt.data.code_tasks import CodeTask, batch_call_program, call_program
 from lit_memopt.models import lm_head_weight
 from lit_memopt.modules.rollout import (
     Rollout,
@@ -35,7 +35,7 @@ from lit_memopt.rewards.crsp_rewards import (
     solver_reward,
     think_text,
 )
-from lit_memopt.rewards.sandbox import VERDICTS, Sandbox, SandboxLimits
+from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
 
 __all__ = ["CRSPModule", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
 
