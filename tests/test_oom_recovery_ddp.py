@@ -1,5 +1,6 @@
 """OOMRecovery under 2-process DDP (gloo, CPU): an OOM on one rank only, in forward and in backward,
-neither hangs nor desynchronises; both ranks end with the weights of the OOM-free DDP run."""
+neither hangs nor desynchronises; both ranks end with the weights of the OOM-free DDP run. A non-OOM
+error on one rank stops every rank instead of leaving the others waiting in a collective."""
 
 from __future__ import annotations
 
@@ -42,11 +43,23 @@ def _worker(rank: int, port: int, out_dir: str, tests_dir: str) -> None:
     module = helpers.PlannedOOMModule(plan=plan, optimizer="adam")
     recovery = OOMRecovery(grow_after_steps=None)
     recovered = run(module, [recovery])
-    torch.save(
-        {"reference": reference, "recovered": recovered, "events": recovery.events, "history": recovery.history,
-         "micro_sizes": module.seen_micro_sizes},
-        Path(out_dir) / f"rank{rank}.pt",
-    )
+    result = {"reference": reference, "recovered": recovered, "events": recovery.events, "history": recovery.history,
+              "micro_sizes": module.seen_micro_sizes}
+
+    class FailsOnRank1(helpers.PlannedOOMModule):
+        """A bug (not an OOM) on one rank only: every rank must stop, none may wait forever."""
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            if self.global_rank == 1 and batch_idx == 1:
+                raise ValueError("broken batch on rank 1")
+            return super().training_step(batch, batch_idx)
+
+    try:
+        run(FailsOnRank1(optimizer="adam"), [OOMRecovery()])
+        result["failure"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        result["failure"] = f"{type(e).__name__}: {e}"
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.slow
@@ -71,6 +84,9 @@ def test_ddp_oom_on_one_rank_keeps_ranks_in_step(tmp_path: Path) -> None:
     assert all("CUDA out of memory" in e["message"] for e in r1["events"])
     # Both ranks ran the same micro-batch sizes (no rank skipped or repeated a collective).
     assert r0["micro_sizes"] == r1["micro_sizes"]
+    # A non-OOM error on one rank stops both ranks: the failing one with its error, the other told why.
+    assert r1["failure"] == "ValueError: broken batch on rank 1"
+    assert r0["failure"].startswith("OOMRecoveryError: OOMRecovery: another rank failed"), r0["failure"]
     # Identical weights on both ranks, equal to the OOM-free DDP run.
     for key in r0["recovered"]:
         assert torch.equal(r0["recovered"][key], r1["recovered"][key]), key
