@@ -242,8 +242,14 @@ class GradeModule(pl.LightningModule):
         frac = 1.0 if anneal == 0 else min(1.0, step / anneal)
         return float(self.hparams.tau_start + (self.hparams.tau_end - self.hparams.tau_start) * frac)
 
-    def noise_generator(self, device: torch.device, step: int, batch_idx: int) -> torch.Generator:
-        generator = torch.Generator(device=device)
+    def noise_generator(self, like: Tensor, step: int, batch_idx: int) -> torch.Generator | None:
+        """The Gumbel noise generator of one (step, batch); ``None`` for fake/meta tensors (memory estimates),
+        which cannot draw from a generator."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        if like.device.type == "meta" or is_fake(like):
+            return None
+        generator = torch.Generator(device=like.device)
         generator.manual_seed(_step_seed(self.hparams.noise_seed, step, batch_idx))
         return generator
 
@@ -453,7 +459,7 @@ class GradeModule(pl.LightningModule):
     # ------------------------------------------------------------------ Lightning hooks
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         tau = self.current_tau()
-        generator = self.noise_generator(batch["input_ids"].device, self.global_step, batch_idx)
+        generator = self.noise_generator(batch["input_ids"], self.global_step, batch_idx)
         out = self.generate_and_score(batch["input_ids"], batch.get("attention_mask"), tau=tau, generator=generator)
         size = batch["input_ids"].shape[0]
         self.log("train/loss", out.loss.detach(), batch_size=size)
@@ -465,7 +471,7 @@ class GradeModule(pl.LightningModule):
         return out.loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        generator = self.noise_generator(batch["input_ids"].device, -1, batch_idx)
+        generator = self.noise_generator(batch["input_ids"], -1, batch_idx)
         out = self.generate_and_score(batch["input_ids"], batch.get("attention_mask"), tau=self.current_tau(), generator=generator)
         size = batch["input_ids"].shape[0]
         self.log("val/reward", out.reward.mean(), prog_bar=True, batch_size=size, sync_dist=True)
