@@ -490,3 +490,57 @@ def test_default_callbacks_config_builds_oom_recovery() -> None:
     for key in cfg.oom_recovery:
         if key != "_target_":
             assert getattr(callback, key) == getattr(defaults, key), key
+
+
+# ------------------------------------------------------------------------------------ a measured budget
+class WideModule(LightningModule):
+    """Activations dominate its memory: the micro-batch size decides whether a step fits a budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(DIM, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, DIM))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return ((self.net(batch["x"]) - batch["y"]) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class BudgetPerStep(Callback):
+    """Every forward/backward of a training batch runs under one memory budget (None: measure only)."""
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        self.budget_bytes, self.mode, self.peaks = budget_bytes, None, []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.mode = memory_budget(self.budget_bytes)
+        self.mode.__enter__()
+
+    def _leave(self, *args: Any) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.peaks.append(self.mode.peak_bytes)
+            self.mode = None
+
+    on_before_optimizer_step = _leave
+    on_exception = _leave
+
+
+def test_a_budget_between_two_measured_peaks_settles_on_the_size_that_fits() -> None:
+    peaks = {}
+    for size in (4, 8):
+        probe = BudgetPerStep(None)
+        fit(WideModule(), [OOMRecovery(initial_micro_batch_size=size, grow_after_steps=None), probe], max_steps=3)
+        peaks[size] = max(probe.peaks)
+    assert peaks[8] > peaks[4]
+    reference = WideModule()
+    fit(reference, [], max_steps=3)
+    module = WideModule()
+    recovery = OOMRecovery(grow_after_steps=None)
+    fit(module, [recovery, BudgetPerStep((peaks[4] + peaks[8]) // 2)], max_steps=3)
+    # The whole batch (8) passes the budget once; 4 fits from then on, with unchanged results.
+    assert [(e["step"], e["micro_batch_size"]) for e in recovery.events] == [(0, 8)]
+    assert recovery.micro_batch_size == 4
+    assert_same_weights(weights(module), weights(reference))

@@ -11,6 +11,7 @@ _EXPORTS = {
     "EmptyCacheScheduler": ".empty_cache",
     "ActivationCheckpointing": ".activation_checkpointing",
     "OOMRecovery": ".oom_recovery",
+    "OOMRecoveryError": ".oom_recovery",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
