@@ -3,7 +3,6 @@ step are survived with the same weights as an OOM-free run, every sample counted
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 from collections import namedtuple

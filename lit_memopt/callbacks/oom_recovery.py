@@ -203,6 +203,7 @@ class OOMRecovery(Callback):
         self._cuda_last: tuple[int, int, int, int] | None = None  # (base, peak, micro size, device index) of the last clean batch
         self._cuda_base = 0
         self._log_signature: inspect.Signature | None = None
+        self._original_backward: Callable[..., Any] | None = None
         self._disabled = False
         self._ddp_model: Any = None
 
@@ -384,7 +385,6 @@ class OOMRecovery(Callback):
                 return None
             return original_backward(loss, *args, **kwargs)
 
-        self._original_training_step = original_training_step
         self._original_backward = original_backward
         module.training_step = training_step  # type: ignore[method-assign]
         module.backward = backward  # type: ignore[method-assign]
