@@ -163,7 +163,9 @@ def test_scripted_policy_gets_execution_decided_rewards(monkeypatch) -> None:
     module = _module(num_solver_samples=3, critiques_per_task=2, function_task_ratio=0.0, max_new_tokens_propose=4,
                      max_new_tokens_solve=4, max_new_tokens_critique=4)
     scripts = {
-        "propose": ["```python\ndef f(x):\n    return x + 1\n```\nInput: 3\nInput: 10\n"],
+        # One valid proposal; one that raises when executed (invalid: the bank task replaces it).
+        "propose": ["```python\ndef f(x):\n    return x + 1\n```\nInput: 3\nInput: 10\n",
+                    "def f(x):\n    return 1 / 0\nInput: 3\n"],
         # 4 is the executed output; "(4)" is equal after literal_eval in the sandbox; 5 is wrong.
         "solve": ["<answer>4</answer>", "<think>3 plus 1</think><answer>(4)</answer>", "<answer>5</answer>"],
         "critique": ["Verdict: correct", "the answer is wrong. Verdict: incorrect"],
@@ -177,13 +179,16 @@ def test_scripted_policy_gets_execution_decided_rewards(monkeypatch) -> None:
 
     monkeypatch.setattr(module, "_generate", scripted)
     trainer = _trainer(1)
-    trainer.fit(module, datamodule=CodeTaskDataModule(module.tokenizer, batch_size=2))
+    # The fallback task is f(s) = s[::-1] on 'abc' (executed output 'cba'): every scripted answer is wrong.
+    trainer.fit(module, datamodule=CodeTaskDataModule(module.tokenizer, batch_size=2, tasks=["reverse"]))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    assert metrics["train/proposal_valid_rate"] == 1.0
-    assert metrics["train/solve_rate"] == pytest.approx(2 / 3)
-    assert metrics["train/reward_propose"] == pytest.approx(1 / 3)          # 1 - 2/3 for both proposals
-    # Critiqued answers are the first two (both correct): "correct" agrees, "incorrect" does not.
+    assert metrics["train/proposal_valid_rate"] == 0.5
+    assert metrics["train/solve_rate"] == pytest.approx(2 / 6)               # 2 of 3 on the proposal, 0 of 3 on the bank task
+    assert metrics["train/reward_propose"] == pytest.approx((1 / 3 + 0.0) / 2)  # 1 - 2/3 for the valid one, 0 for the invalid one
+    # Critiqued: the first two answers of each task. Proposal: both right, so "correct" agrees and
+    # "incorrect" does not; bank task: both wrong, so the other way round.
     assert metrics["train/critique_agreement"] == pytest.approx(0.5)
+    assert metrics["train/sandbox_error"] >= 1                               # the 1 / 0 proposal
     assert metrics["train/sandbox_wrong"] >= 1 and metrics["train/sandbox_ok"] >= 1
 
 

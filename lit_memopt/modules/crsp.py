@@ -361,22 +361,16 @@ class CRSPModule(pl.LightningModule):
         jobs, owners = [], []
         for i, item in enumerate(parsed):
             if item is not None:
-                for argument in item[1]:
-                    jobs.append((call_program(item[0], argument), ""))
-                    owners.append(i)
-        verdicts = sandbox.run_many(jobs)
-        outputs: dict[int, list[tuple[str, str]]] = {}
-        broken: set[int] = set()
-        for i, verdict, (program, _) in zip(owners, verdicts, jobs):
+                jobs += [(call_program(item[0], argument), "") for argument in item[1]]
+                owners += [i] * len(item[1])
+        outputs: dict[int, list[str]] = {i: [] for i, item in enumerate(parsed) if item is not None}
+        for i, verdict in zip(owners, sandbox.run_many(jobs)):
             out = verdict.stdout.strip()
-            if not verdict.ok or not out or len(out) > int(self.hparams.max_output_chars) or "\n" in out:
-                broken.add(i)
-        for i, item in enumerate(parsed):
-            if item is not None and i not in broken:
-                outputs[i] = []
-        for i, verdict, (job_program, _) in zip(owners, verdicts, jobs):
-            if i in outputs:
-                outputs[i].append(verdict.stdout.strip())
+            # Valid: every input runs and prints one short line (a task a solver can be asked about).
+            if i in outputs and verdict.ok and out and len(out) <= int(self.hparams.max_output_chars) and "\n" not in out:
+                outputs[i].append(out)
+            else:
+                outputs.pop(i, None)
 
         proposals: list[_Task | None] = []
         for i, item in enumerate(parsed):
