@@ -4,6 +4,7 @@ step are survived with the same weights as an OOM-free run, every sample counted
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import gc
 from collections import namedtuple
 from typing import Any
@@ -543,3 +544,18 @@ def test_a_budget_between_two_measured_peaks_settles_on_the_size_that_fits() -> 
     assert [(e["step"], e["micro_batch_size"]) for e in recovery.events] == [(0, 8)]
     assert recovery.micro_batch_size == 4
     assert_same_weights(weights(module), weights(reference))
+
+
+def test_loggers_get_a_row_at_the_first_step_and_at_every_change(tmp_path) -> None:
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = PlannedOOMModule(plan={(0, 0, 2): ("forward", 4)})
+    logger = CSVLogger(str(tmp_path), name="run")
+    fit(module, [OOMRecovery(grow_after_steps=None)], max_steps=4, logger=logger, log_every_n_steps=50)
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    written = [(int(r["step"]), float(r["memopt/micro_batch_size"]), float(r["memopt/oom_events"]))
+               for r in rows if r.get("memopt/micro_batch_size")]
+    # Step 0 with the whole batch; the OOM at the third batch (global step 2) right when it happened.
+    assert written == [(0, 8.0, 0.0), (2, 4.0, 1.0)]

@@ -80,7 +80,9 @@ class OOMRecovery(Callback):
     Batches may be tensors, dicts, ``BatchEncoding``, (named) tuples, lists, dataclasses, nested,
     and lists of non-tensor items of batch length; other structures need ``split_fn``.
 
-    Logged from the first step: ``memopt/micro_batch_size`` and ``memopt/oom_events``. Values the
+    Logged from the first step: ``memopt/micro_batch_size`` and ``memopt/oom_events`` (every step
+    through ``self.log``; and written to the loggers at once at the first step and whenever they
+    change, whatever ``log_every_n_steps`` is). Values the
     module logs with ``self.log`` inside ``training_step`` are combined over micro-batches (``mean``
     weighted by share, ``sum``, ``max``, ``min``) and logged once per batch, so ``train/loss`` is the
     whole-batch loss. Extra keys of a dict returned by ``training_step``: 0-dim tensors are combined
@@ -204,6 +206,8 @@ class OOMRecovery(Callback):
         self._cuda_base = 0
         self._log_signature: inspect.Signature | None = None
         self._original_backward: Callable[..., Any] | None = None
+        self._last_written: tuple[float, float] | None = None
+        self._batch_step = 0
         self._disabled = False
         self._ddp_model: Any = None
 
@@ -226,6 +230,7 @@ class OOMRecovery(Callback):
             rank_zero_warn(problem)
             return
         self._trainer, self._module = trainer, pl_module
+        self._last_written = None  # every fit writes its first row
         self._install_module_wrappers(pl_module)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -235,6 +240,9 @@ class OOMRecovery(Callback):
         self._agree = RankAgreement(pl_module.device, enabled=self._ddp)
         self._bypass_ddp_reducer(trainer)
         self._patch_optimizers(trainer)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.log_metrics or self._disabled:
@@ -247,6 +255,14 @@ class OOMRecovery(Callback):
                 size = self.micro_batch_size or 0
         pl_module.log("memopt/micro_batch_size", float(size), on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("memopt/oom_events", float(self.oom_events), on_step=True, on_epoch=False, batch_size=1)
+        # The logger's cadence (log_every_n_steps) would hide the first step and the moments that
+        # matter; write those rows straight away (values are identical on every rank).
+        current = (float(size), float(self.oom_events))
+        if current != self._last_written and trainer.is_global_zero:
+            metrics = {"memopt/micro_batch_size": current[0], "memopt/oom_events": current[1]}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=self._batch_step)  # the step the events are recorded at
+        self._last_written = current
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._pending_grads = None
