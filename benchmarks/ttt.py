@@ -38,14 +38,18 @@ CONFIG_125M = dict(
     name="ttt_125m", vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12,
     intermediate_size=2048, layer_type="linear", mini_batch_size=16,
 )
-FAKE_SHAPE = {"batch": 8, "seq_len": 2048}
-FAKE_SHAPE_QUICK = {"batch": 2, "seq_len": 2048}
+# Fake tensors cost ~ms of Python per op and the scan is 128 sequential mini-batches per layer,
+# so the 12-layer step is measured at 1 and 2 layers and extrapolated linearly (see measure_fake).
+FAKE_SHAPE = {"batch": 4, "seq_len": 2048}
+FAKE_SHAPE_QUICK = {"batch": 4, "seq_len": 512}
+FAKE_LAYERS = (1, 2)
 CONFIG_TINY = dict(
-    name="ttt_tiny", vocab_size=384, hidden_size=128, num_layers=2, num_heads=4,
-    intermediate_size=256, layer_type="linear", mini_batch_size=8,
+    name="ttt_tiny", vocab_size=384, hidden_size=64, num_layers=2, num_heads=4,
+    intermediate_size=128, layer_type="linear", mini_batch_size=8,
 )
-REAL_SHAPE = {"batch": 8, "seq_len": 1024}
-REAL_SHAPE_QUICK = {"batch": 4, "seq_len": 256}
+REAL_MEMORY_SHAPE = {"batch": 8, "seq_len": 256}
+REAL_TIME_SHAPE = {"batch": 8, "seq_len": 1024}
+REAL_TIME_SHAPE_QUICK = {"batch": 8, "seq_len": 256}
 
 
 def _train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
@@ -71,27 +75,48 @@ def memory_saving_group(config: TTTConfig, batch: int, seq_len: int) -> int:
     )
 
 
-def measure_fake(config: TTTConfig, shape: dict[str, int], groups: list[int]) -> list[dict[str, Any]]:
-    """Peak bytes of forward + backward under fake tensors for each ``checkpoint_group_size``."""
-    rows = []
+def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int) -> dict[str, int]:
     with fake_mode():
         model = config.build_model()
-        params = sum(p.numel() for p in model.parameters())
+        _set_group(model, group)
         input_ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq_len"]))
-        for group in groups:
-            _set_group(model, group)
-            stats = peak_during(lambda: _train_step(model, input_ids), model)
-            model.zero_grad(set_to_none=True)
-            rows.append(
-                {
-                    "checkpoint_group_size": group,
-                    "parameters": params,
-                    "peak_bytes": stats.peak_bytes,
-                    "extra_bytes": stats.extra_bytes,
-                    "activation_bytes": int(stats.by_category.get("Activation", 0)),
-                }
-            )
-    return _with_ratios(rows)
+        stats = peak_during(lambda: _train_step(model, input_ids), model)
+        params = sum(p.numel() for p in model.parameters())
+    return {
+        "parameters": params,
+        "peak_bytes": stats.peak_bytes,
+        "extra_bytes": stats.extra_bytes,
+        "activation_bytes": int(stats.by_category.get("Activation", 0)),
+    }
+
+
+def measure_fake(config: TTTConfig, shape: dict[str, int], groups: list[int], layers: tuple[int, ...] = FAKE_LAYERS) -> dict[str, Any]:
+    """Fake-tensor peaks of forward + backward for each ``checkpoint_group_size``.
+
+    Measured with ``layers`` blocks (real widths, real sequence); every byte count is linear in
+    the number of blocks (parameters, gradients, per-block activations; the embedding/head part
+    is constant), so the ``config.num_layers`` value is ``m1 + (L - 1) * (m2 - m1)``.
+    ``layers=(config.num_layers,)`` measures the full model directly instead.
+    """
+    measured = []
+    for group in groups:
+        for n in layers:
+            cfg = TTTConfig(**{**vars(config), "num_layers": n})
+            measured.append({"checkpoint_group_size": group, "num_layers": n, **_fake_peaks(cfg, shape, group)})
+    rows = []
+    for group in groups:
+        points = {r["num_layers"]: r for r in measured if r["checkpoint_group_size"] == group}
+        if config.num_layers in points:
+            row = dict(points[config.num_layers])
+            row["extrapolated"] = False
+        else:
+            lo, hi = sorted(points)[:2]
+            row = {"checkpoint_group_size": group, "num_layers": config.num_layers, "extrapolated": True}
+            for key in ("parameters", "peak_bytes", "extra_bytes", "activation_bytes"):
+                per_layer = (points[hi][key] - points[lo][key]) / (hi - lo)
+                row[key] = int(round(points[lo][key] + (config.num_layers - lo) * per_layer))
+        rows.append(row)
+    return {"measured": measured, "rows": _with_ratios(rows)}
 
 
 def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -102,58 +127,62 @@ def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def measure_real(config: TTTConfig, shape: dict[str, int], group: int, reps: int) -> dict[str, Any]:
-    """Real CPU tensors: MemTracker peaks and interleaved step times, plain scan vs checkpointed."""
+def measure_real(config: TTTConfig, memory_shape: dict[str, int], time_shape: dict[str, int], group: int, reps: int) -> dict[str, Any]:
+    """Real CPU tensors: MemTracker peaks, exact-gradient check and interleaved step times."""
     torch.manual_seed(0)
     model = config.build_model()
-    input_ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq_len"]))
+    input_ids = torch.randint(0, config.vocab_size, (memory_shape["batch"], memory_shape["seq_len"]))
     rows = []
-    for g in (0, group):
-        _set_group(model, g)
-        stats = peak_during(lambda: _train_step(model, input_ids), model)
-        model.zero_grad(set_to_none=True)
-        rows.append({"checkpoint_group_size": g, "peak_bytes": stats.peak_bytes, "extra_bytes": stats.extra_bytes})
-    rows = _with_ratios(rows)
-    # gradients must agree exactly: checkpointing recomputes the same operations
     grads = []
     for g in (0, group):
         _set_group(model, g)
-        _train_step(model, input_ids)
+        stats = peak_during(lambda: _train_step(model, input_ids), model)
         grads.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
+        rows.append({"checkpoint_group_size": g, "peak_bytes": stats.peak_bytes, "extra_bytes": stats.extra_bytes})
+    rows = _with_ratios(rows)
     identical = all(torch.equal(a, b) for a, b in zip(*grads))
-    times: dict[int, list[float]] = {0: [], group: []}
-    for g in (0, group):  # warm-up
+    del grads
+    input_ids = torch.randint(0, config.vocab_size, (time_shape["batch"], time_shape["seq_len"]))
+    time_group = memory_saving_group(config, **time_shape)
+    times: dict[int, list[float]] = {0: [], time_group: []}
+    for g in times:  # warm-up
         _set_group(model, g)
         _train_step(model, input_ids)
         model.zero_grad(set_to_none=True)
     for _ in range(reps):
-        for g in (0, group):  # interleaved so that machine load hits both alike
+        for g in times:  # interleaved, so that machine load hits both alike
             _set_group(model, g)
             gc.collect()
             start = time.perf_counter()
             _train_step(model, input_ids)
             times[g].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
-    plain, ckpt = statistics.median(times[0]), statistics.median(times[group])
-    rows[0]["step_s"], rows[1]["step_s"] = plain, ckpt
+    plain, ckpt = statistics.median(times[0]), statistics.median(times[time_group])
     return {
+        "memory_shape": memory_shape,
+        "time_shape": time_shape,
         "rows": rows,
-        "time_ratio": ckpt / plain,
         "gradients_identical": identical,
+        "time_group": time_group,
+        "step_s": {"plain": plain, "checkpointed": ckpt},
+        "time_ratio": ckpt / plain,
         "reps": reps,
     }
 
 
-def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
-    """Run both measurements; write ``results/ttt_cpu[_quick].{md,json}`` and return the data."""
+def run(quick: bool = False, write: bool = True, full: bool = False) -> dict[str, Any]:
+    """Run both measurements; write ``results/ttt_cpu[_quick].{md,json}`` and return the data.
+
+    ``full=True`` measures the 12-layer model under fake tensors directly (slow: ~10^5 fake ops).
+    """
     fake_shape = FAKE_SHAPE_QUICK if quick else FAKE_SHAPE
-    real_shape = REAL_SHAPE_QUICK if quick else REAL_SHAPE
     big = TTTConfig(**CONFIG_125M)
     tiny = TTTConfig(**CONFIG_TINY)
     big_group = memory_saving_group(big, **fake_shape)
-    tiny_group = memory_saving_group(tiny, **real_shape)
-    groups = [0, big_group] if quick else sorted({0, 1, 4, big_group, 32})
+    tiny_group = memory_saving_group(tiny, **REAL_MEMORY_SHAPE)
+    fake = measure_fake(big, fake_shape, [0, big_group], layers=(big.num_layers,) if full else FAKE_LAYERS)
+    real = measure_real(tiny, REAL_MEMORY_SHAPE, REAL_TIME_SHAPE_QUICK if quick else REAL_TIME_SHAPE, tiny_group, reps=3 if quick else 7)
     result: dict[str, Any] = {
         "benchmark": "ttt",
         "quick": quick,
@@ -163,30 +192,18 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
         "device": "cpu",
         "memory_target": MEMORY_TARGET,
         "time_target": TIME_TARGET,
-        "memory_fake": {
-            "config": CONFIG_125M,
-            "shape": fake_shape,
-            "dtype": "float32",
-            "chosen_group": big_group,
-            "rows": measure_fake(big, fake_shape, groups),
-        },
-        "real_cpu": {
-            "config": CONFIG_TINY,
-            "shape": real_shape,
-            "dtype": "float32",
-            "chosen_group": tiny_group,
-            **measure_real(tiny, real_shape, tiny_group, reps=3 if quick else 7),
-        },
+        "memory_fake": {"config": CONFIG_125M, "shape": fake_shape, "dtype": "float32", "chosen_group": big_group, **fake},
+        "real_cpu": {"config": CONFIG_TINY, "dtype": "float32", "chosen_group": tiny_group, **real},
     }
-    chosen = next(r for r in result["memory_fake"]["rows"] if r["checkpoint_group_size"] == big_group)
+    chosen = result["memory_fake"]["rows"][1]
     result["summary"] = {
         "fake_125m_peak_ratio": chosen["peak_ratio"],
         "fake_125m_extra_ratio": chosen["extra_ratio"],
-        "real_tiny_peak_ratio": result["real_cpu"]["rows"][1]["peak_ratio"],
-        "real_tiny_extra_ratio": result["real_cpu"]["rows"][1]["extra_ratio"],
-        "cpu_time_ratio": result["real_cpu"]["time_ratio"],
+        "real_tiny_peak_ratio": real["rows"][1]["peak_ratio"],
+        "real_tiny_extra_ratio": real["rows"][1]["extra_ratio"],
+        "cpu_time_ratio": real["time_ratio"],
         "memory_target_met": chosen["peak_ratio"] <= MEMORY_TARGET,
-        "time_target_met": result["real_cpu"]["time_ratio"] <= TIME_TARGET,
+        "time_target_met": real["time_ratio"] <= TIME_TARGET,
     }
     if write:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -207,6 +224,7 @@ def _mib(n: int) -> str:
 
 def to_markdown(result: dict[str, Any]) -> str:
     fake, real, summary = result["memory_fake"], result["real_cpu"], result["summary"]
+    extrapolated = fake["rows"][0]["extrapolated"]
     lines = [
         "# TTT: scan checkpointing vs the plain scan",
         "",
@@ -215,36 +233,53 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         f"## Peak memory, 125M TTT-Linear ({fake['rows'][0]['parameters'] / 1e6:.0f}M parameters), fake tensors",
         "",
-        f"Forward + backward of the next-token loss, batch {fake['shape']['batch']} x sequence "
-        f"{fake['shape']['seq_len']}, {fake['dtype']}, mini-batch 16 ({fake['shape']['seq_len'] // 16} mini-batches per layer). "
-        "Peak = all live tensors (parameters included); extra = peak minus what was live before the step "
-        "(activations, temporaries, gradients). Group 0 = no checkpointing. "
-        f"The memory-minimising group size is {fake['chosen_group']}.",
+        f"Forward + backward of the next-token loss (fused log-prob head), batch {fake['shape']['batch']} x sequence "
+        f"{fake['shape']['seq_len']}, {fake['dtype']}, mini-batch 16 ({fake['shape']['seq_len'] // 16} mini-batches per layer), "
+        "measured by `lit_memopt.memory.fake.peak_during` (MemTracker). Peak = all live tensors (parameters included); "
+        "extra = peak minus what was live before the step (activations, temporaries, gradients). Group 0 = no checkpointing; "
+        f"group {fake['chosen_group']} is what `auto_checkpoint_group_size` picks when memory is short."
+        + (
+            f" The 12-layer values are extrapolated linearly from measurements at "
+            f"{sorted({m['num_layers'] for m in fake['measured']})} layers (all byte counts are linear in depth)."
+            if extrapolated
+            else ""
+        ),
         "",
-        "| checkpoint_group_size | peak GiB | extra GiB | activations GiB | peak ratio | extra ratio |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| checkpoint_group_size | layers | peak GiB | extra GiB | activations GiB | peak ratio | extra ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in fake["rows"]:
+    for r in fake["measured"]:
         lines.append(
-            f"| {r['checkpoint_group_size']} | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | "
+            f"| {r['checkpoint_group_size']} | {r['num_layers']} (measured) | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | "
+            f"{_gib(r['activation_bytes'])} | | |"
+        )
+    for r in fake["rows"]:
+        tag = "extrapolated" if r["extrapolated"] else "measured"
+        lines.append(
+            f"| {r['checkpoint_group_size']} | **{r['num_layers']} ({tag})** | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | "
             f"{_gib(r['activation_bytes'])} | {r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} |"
         )
+    ms, ts = real["memory_shape"], real["time_shape"]
     lines += [
         "",
-        f"## Real tensors on the CPU: tiny model, batch {real['shape']['batch']} x sequence {real['shape']['seq_len']}",
+        f"## Real tensors on the CPU: tiny TTT LM ({real['config']['hidden_size']} wide, {real['config']['num_layers']} layers)",
         "",
-        f"Peaks of live tensor bytes (MemTracker) and the median step time of {real['reps']} interleaved repetitions. "
-        f"Gradients identical with and without checkpointing: {real['gradients_identical']}.",
+        f"Peak live tensor bytes (MemTracker, real tensors) at batch {ms['batch']} x sequence {ms['seq_len']}. "
+        f"Gradients bit-identical with and without checkpointing: {real['gradients_identical']}.",
         "",
-        "| checkpoint_group_size | peak MiB | extra MiB | peak ratio | extra ratio | step s |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| checkpoint_group_size | peak MiB | extra MiB | peak ratio | extra ratio |",
+        "|---:|---:|---:|---:|---:|",
     ]
     for r in real["rows"]:
         lines.append(
             f"| {r['checkpoint_group_size']} | {_mib(r['peak_bytes'])} | {_mib(r['extra_bytes'])} | "
-            f"{r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} | {r['step_s']:.3f} |"
+            f"{r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} |"
         )
     lines += [
+        "",
+        f"Step time (forward + backward), batch {ts['batch']} x sequence {ts['seq_len']}, median of {real['reps']} interleaved "
+        f"repetitions: plain {real['step_s']['plain']:.3f} s, checkpointed (group {real['time_group']}) "
+        f"{real['step_s']['checkpointed']:.3f} s.",
         "",
         "## Summary",
         "",
@@ -262,9 +297,10 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller batch and fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="shorter fake sequence, smaller timing shape, fewer repetitions")
+    parser.add_argument("--full", action="store_true", help="measure all 12 layers under fake tensors (slow)")
     args = parser.parse_args(argv)
-    result = run(quick=args.quick)
+    result = run(quick=args.quick, full=args.full)
     print(to_markdown(result))
     for path in result.get("written", []):
         print(f"wrote {path}")

@@ -584,6 +584,22 @@ class TTTConfig:
 
         return build_tokenizer(self.tokenizer)
 
+    def hf_config(self):
+        """The sizes as a transformers ``PretrainedConfig`` (for tools that read ``vocab_size``,
+        ``hidden_size``, ``num_hidden_layers``... the way they do for :class:`ModelConfig`)."""
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            intermediate_size=self.intermediate_size,
+            tie_word_embeddings=self.tie_word_embeddings,
+            ttt_layer_type=self.layer_type,
+            mini_batch_size=self.mini_batch_size,
+        )
+
 
 class _CausalConv(nn.Module):
     """Depthwise causal 1-D convolution over the sequence (left padding only)."""
