@@ -82,10 +82,9 @@ class OOMRecovery(Callback):
 
     Logged from the first step: ``memopt/micro_batch_size`` and ``memopt/oom_events`` (every step
     through ``self.log``; and written to the loggers at once at the first step and whenever they
-    change, whatever ``log_every_n_steps`` is). Values the
-    module logs with ``self.log`` inside ``training_step`` are combined over micro-batches (``mean``
-    weighted by share, ``sum``, ``max``, ``min``) and logged once per batch, so ``train/loss`` is the
-    whole-batch loss. Extra keys of a dict returned by ``training_step``: 0-dim tensors are combined
+    change, whatever ``log_every_n_steps`` is). Values the module logs with ``self.log`` inside
+    ``training_step`` are combined over micro-batches (``mean`` weighted by share, ``sum``, ``max``,
+    ``min``) and logged once per batch, so ``train/loss`` is the whole-batch loss. Extra keys of a dict returned by ``training_step``: 0-dim tensors are combined
     like the loss, other values come from the last micro-batch. A torchmetrics ``Metric`` updated in
     a failed attempt keeps that update.
 
