@@ -242,3 +242,29 @@ def test_ranks_aggregated_in_two_process_ddp(tmp_path):
     summary = json.load(open(tmp_path / "logs" / "version_0" / "memory_summary.json"))
     assert summary["world_size"] == 2 and summary["peak_forward_rank"] == 1
     assert os.path.exists(tmp_path / "logs" / "version_0" / "memory_plot.png")
+
+
+def test_allocator_snapshot_files_per_rank(tmp_path, monkeypatch):
+    # The CUDA path with the allocator calls stood in for: file names, per-rank paths, OOM-triggered dump.
+    from types import SimpleNamespace
+
+    written = []
+
+    def fake_dump(path):
+        written.append(path)
+        open(path, "wb").close()
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", fake_dump)
+    monitor = MemoryMonitor(snapshot_on_oom=True, snapshot_at_step=[2])
+    monitor._recording_history = True  # what on_fit_start does on CUDA
+    monitor._resolved_run_dir = str(tmp_path)
+    trainer = SimpleNamespace(global_rank=1, global_step=7, default_root_dir=str(tmp_path))
+    path = monitor.dump_memory_snapshot(trainer, "step2")
+    assert path == str(tmp_path / "memory_snapshot_step2_rank1.pickle") and os.path.exists(path)
+
+    with pytest.warns(UserWarning, match="allocator snapshot written"):
+        monitor.on_exception(trainer, None, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB"))
+    assert written[-1] == str(tmp_path / "memory_snapshot_oom_rank1.pickle")
+    assert [e.step for e in monitor.metrics.oom_events] == [7]
+    monitor.on_exception(trainer, None, ValueError("not memory"))  # other errors: nothing recorded or dumped
+    assert len(written) == 2 and len(monitor.metrics.oom_events) == 1
