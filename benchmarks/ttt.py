@@ -38,11 +38,12 @@ CONFIG_125M = dict(
     name="ttt_125m", vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12,
     intermediate_size=2048, layer_type="linear", mini_batch_size=16,
 )
-# Fake tensors cost ~ms of Python per op and the scan is 128 sequential mini-batches per layer,
-# so the 12-layer step is measured at 1 and 2 layers and extrapolated linearly (see measure_fake).
+# Fake tensors cost milliseconds of Python per op and the scan is 128 sequential mini-batches per
+# layer, so by default the 12-layer step is measured at 0 (embedding + head) and 1 block and
+# extrapolated linearly (see measure_fake); --full measures all 12 blocks.
 FAKE_SHAPE = {"batch": 4, "seq_len": 2048}
 FAKE_SHAPE_QUICK = {"batch": 4, "seq_len": 512}
-FAKE_LAYERS = (1, 2)
+FAKE_LAYERS = (0, 1)
 CONFIG_TINY = dict(
     name="ttt_tiny", vocab_size=384, hidden_size=64, num_layers=2, num_heads=4,
     intermediate_size=128, layer_type="linear", mini_batch_size=8,
@@ -76,8 +77,11 @@ def memory_saving_group(config: TTTConfig, batch: int, seq_len: int) -> int:
 
 
 def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int) -> dict[str, int]:
+    """Fake-tensor peaks of one training step; ``config.num_layers == 0`` keeps only embedding + head."""
     with fake_mode():
-        model = config.build_model()
+        model = TTTConfig(**{**vars(config), "num_layers": max(config.num_layers, 1)}).build_model()
+        if config.num_layers == 0:
+            model.layers = torch.nn.ModuleList()
         _set_group(model, group)
         input_ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq_len"]))
         stats = peak_during(lambda: _train_step(model, input_ids), model)
@@ -90,19 +94,39 @@ def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int) -> dict[st
     }
 
 
-def measure_fake(config: TTTConfig, shape: dict[str, int], groups: list[int], layers: tuple[int, ...] = FAKE_LAYERS) -> dict[str, Any]:
+def _fake_point(args: tuple[dict[str, Any], dict[str, int], int, int]) -> dict[str, Any]:
+    config, shape, group, layers = args
+    torch.set_num_threads(1)
+    cfg = TTTConfig(**{**config, "num_layers": layers})
+    return {"checkpoint_group_size": group, "num_layers": layers, **_fake_peaks(cfg, shape, group)}
+
+
+def measure_fake(
+    config: TTTConfig,
+    shape: dict[str, int],
+    groups: list[int],
+    layers: tuple[int, ...] = FAKE_LAYERS,
+    workers: int = 1,
+) -> dict[str, Any]:
     """Fake-tensor peaks of forward + backward for each ``checkpoint_group_size``.
 
-    Measured with ``layers`` blocks (real widths, real sequence); every byte count is linear in
-    the number of blocks (parameters, gradients, per-block activations; the embedding/head part
-    is constant), so the ``config.num_layers`` value is ``m1 + (L - 1) * (m2 - m1)``.
-    ``layers=(config.num_layers,)`` measures the full model directly instead.
+    Measured with ``layers`` blocks (real widths, real sequence). Parameters, gradients and the
+    activations each block saves are linear in the number of blocks (the embedding/head part is
+    constant), so the ``config.num_layers`` value is extrapolated as ``m_a + (L - a) * (m_b - m_a) / (b - a)``.
+    With ``(0, 1)`` a transient that exists once (one recomputed group in backward) is counted
+    ``L`` times, which overstates the checkpointed peak: the ratio is conservative.
+    ``layers=(config.num_layers,)`` measures the full model directly instead. ``workers > 1``
+    measures the points in parallel processes.
     """
-    measured = []
-    for group in groups:
-        for n in layers:
-            cfg = TTTConfig(**{**vars(config), "num_layers": n})
-            measured.append({"checkpoint_group_size": group, "num_layers": n, **_fake_peaks(cfg, shape, group)})
+    jobs = [(vars(config), shape, group, n) for group in groups for n in layers]
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            measured = list(pool.map(_fake_point, jobs))
+    else:
+        measured = [_fake_point(job) for job in jobs]
     rows = []
     for group in groups:
         points = {r["num_layers"]: r for r in measured if r["checkpoint_group_size"] == group}
@@ -171,17 +195,18 @@ def measure_real(config: TTTConfig, memory_shape: dict[str, int], time_shape: di
     }
 
 
-def run(quick: bool = False, write: bool = True, full: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, write: bool = True, full: bool = False, workers: int = 1) -> dict[str, Any]:
     """Run both measurements; write ``results/ttt_cpu[_quick].{md,json}`` and return the data.
 
-    ``full=True`` measures the 12-layer model under fake tensors directly (slow: ~10^5 fake ops).
+    ``full=True`` measures the 12-layer model under fake tensors directly (slow: ~10^5 fake ops);
+    ``workers`` runs the fake measurements in that many processes.
     """
     fake_shape = FAKE_SHAPE_QUICK if quick else FAKE_SHAPE
     big = TTTConfig(**CONFIG_125M)
     tiny = TTTConfig(**CONFIG_TINY)
     big_group = memory_saving_group(big, **fake_shape)
     tiny_group = memory_saving_group(tiny, **REAL_MEMORY_SHAPE)
-    fake = measure_fake(big, fake_shape, [0, big_group], layers=(big.num_layers,) if full else FAKE_LAYERS)
+    fake = measure_fake(big, fake_shape, [0, big_group], layers=(big.num_layers,) if full else FAKE_LAYERS, workers=workers)
     real = measure_real(tiny, REAL_MEMORY_SHAPE, REAL_TIME_SHAPE_QUICK if quick else REAL_TIME_SHAPE, tiny_group, reps=3 if quick else 7)
     result: dict[str, Any] = {
         "benchmark": "ttt",
@@ -240,7 +265,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"group {fake['chosen_group']} is what `auto_checkpoint_group_size` picks when memory is short."
         + (
             f" The 12-layer values are extrapolated linearly from measurements at "
-            f"{sorted({m['num_layers'] for m in fake['measured']})} layers (all byte counts are linear in depth)."
+            f"{sorted({m['num_layers'] for m in fake['measured']})} blocks (0 = embedding + head only): parameters, gradients "
+            "and saved activations are linear in depth; a once-only transient (one recomputed group) is counted per block, "
+            "so the checkpointed peak is overstated and the ratio conservative."
             if extrapolated
             else ""
         ),
@@ -299,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="shorter fake sequence, smaller timing shape, fewer repetitions")
     parser.add_argument("--full", action="store_true", help="measure all 12 layers under fake tensors (slow)")
+    parser.add_argument("--workers", type=int, default=1, help="processes for the fake-tensor measurements")
     args = parser.parse_args(argv)
-    result = run(quick=args.quick, full=args.full)
+    result = run(quick=args.quick, full=args.full, workers=args.workers)
     print(to_markdown(result))
     for path in result.get("written", []):
         print(f"wrote {path}")

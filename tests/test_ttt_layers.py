@@ -98,7 +98,7 @@ def _grads(layer, x, fn):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-@pytest.mark.parametrize("T", [11, 3])  # full mini-batches + remainder, remainder only
+@pytest.mark.parametrize("T", [10])  # two full mini-batches, then a remainder starting from their state
 def test_dual_form_matches_primal_outputs_and_gradients(kind, T):
     layer = _make(kind, base_lr=3.0)
     x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(1))
@@ -112,11 +112,11 @@ def test_dual_form_matches_primal_outputs_and_gradients(kind, T):
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_scan_checkpointing_gives_identical_gradients(kind):
-    x = torch.randn(2, 27, 16, generator=torch.Generator().manual_seed(2))  # 6 mini-batches + 3
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(2))  # 4 mini-batches + 3
     plain = _make(kind)
     ref_out = plain(x)
     ref = _grads(plain, x, plain)
-    for group in (1, 4):  # 6 full mini-batches: groups of one, and groups of 4 + 2
+    for group in (1, 3):  # 4 full mini-batches: groups of one, and groups of 3 + 1
         layer = _make(kind, checkpoint_group_size=group)
         assert torch.equal(layer(x), ref_out)
         got = _grads(layer, x, layer)
