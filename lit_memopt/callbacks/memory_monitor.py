@@ -688,6 +688,9 @@ def _plot_history(history: torch.Tensor, path: str, *, title: str, ylabel: str) 
         if any(not math.isclose(v, 0.0) for v in series):
             ax.plot(steps, series, label=name.replace("_mib", "").replace("_", " "),
                     marker="." if len(steps) < 50 else None)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
