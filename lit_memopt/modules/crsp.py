@@ -479,11 +479,12 @@ class CRSPModule(pl.LightningModule):
         for i, task in enumerate(tasks):
             task.answers = s_texts[i * n:(i + 1) * n]
         self._check_answers(tasks)
-        solve_rewards = []
+        solve_rewards, lengths = [], []
         for task in tasks:
             for answer, correct in zip(task.answers, task.correct):
                 length = length_reward(self._think_tokens(answer), int(hp.length_max_tokens),
                                        penalty_threshold=hp.length_penalty_threshold, penalty_scale=hp.length_penalty_scale)
+                lengths.append(length)
                 solve_rewards.append(solver_reward(float(correct), length, alpha_s))
         propose_rewards = [proposer_reward(sum(t.correct), n) if p is not None else 0.0 for p, t in zip(proposals, tasks)]
 
@@ -498,13 +499,14 @@ class CRSPModule(pl.LightningModule):
                 c_truth.append(task.correct[ai])
                 c_group.append(ti)
         c_rollout, c_texts = self._generate("critique", c_prompts, 1, int(hp.max_new_tokens_critique))
-        critique_rewards, agreements = [], []
+        critique_rewards, agreements, creativities = [], [], []
         for i, text in enumerate(c_texts):
             siblings = [c_texts[j] for j in range(len(c_texts)) if c_group[j] == c_group[i] and j != i]
             judged = parse_judgement(text)
             agrees = float(judged is not None and judged == c_truth[i])
             agreements.append(agrees)
-            critique_rewards.append(critique_reward(agrees, creativity_score(text, siblings), alpha_c))
+            creativities.append(creativity_score(text, siblings))
+            critique_rewards.append(critique_reward(agrees, creativities[-1], alpha_c))
 
         # 4. losses, role after role (each backpropagated in micro-batches), one optimizer step
         rewards = {
@@ -531,6 +533,10 @@ class CRSPModule(pl.LightningModule):
         self.log("train/proposal_valid_rate", torch.tensor(sum(p is not None for p in proposals) / bs, device=device),
                  batch_size=bs)
         self.log("train/critique_agreement", torch.tensor(sum(agreements) / max(1, len(agreements)), device=device),
+                 batch_size=bs)
+        self.log("train/solve_length_reward", torch.tensor(sum(lengths) / max(1, len(lengths)), device=device),
+                 batch_size=bs)
+        self.log("train/critique_creativity", torch.tensor(sum(creativities) / max(1, len(creativities)), device=device),
                  batch_size=bs)
         self.log("train/alpha_s", torch.tensor(alpha_s, device=device), batch_size=bs)
         self.log("train/alpha_c", torch.tensor(alpha_c, device=device), batch_size=bs)
