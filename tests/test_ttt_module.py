@@ -138,7 +138,12 @@ def test_module_loss_matches_plain_cross_entropy_and_optimizer_groups(mode):
 
 def test_integration_base_lr_zero_freezes_host():
     tok = TTTConfig().build_tokenizer()
-    module = TTTModule(_host_config(), tok, base_lr=0.0, integration={"layers": [0], "gate_init": 0.0})
+    from omegaconf import OmegaConf
+
+    # Hydra hands the integration block over as a DictConfig
+    integration = OmegaConf.create({"layers": [0], "gate_init": 0.0, "checkpoint_group_size": "auto"})
+    module = TTTModule(_host_config(), tok, base_lr=0.0, integration=integration)
+    assert module.integration.layers == [0] and module.branches[0].ttt.checkpoint_group_size == "auto"
     trainable = [p for p in module.model.parameters() if p.requires_grad]
     assert {id(p) for p in trainable} == {id(p) for b in module.branches for p in b.parameters()}
     assert all(g["name"].startswith("ttt") for g in module.parameter_groups())
