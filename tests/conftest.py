@@ -10,8 +10,11 @@ import torch
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process: the tests run tiny shapes, spawn DDP workers and subprocesses,
+# and two spinning OpenMP threads per process on a 2-core machine cost far more than they give.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
