@@ -174,3 +174,31 @@ def test_reasoning_prompts_and_checker():
     assert text in batch["prompts"] and text.endswith("=")
     with pytest.raises(ValueError, match="data.task"):
         ReasoningPromptsDataModule(tokenizer, task="poetry")
+
+
+def test_works_under_oom_recovery_micro_batches(tmp_path):
+    """Automatic optimization: OOMRecovery splits the prompt batch; each micro-batch forms its own groups."""
+    from lit_memopt.callbacks import OOMRecovery
+
+    config = _config()
+    tokenizer = config.build_tokenizer()
+    dm = ReasoningPromptsDataModule(tokenizer, task="arithmetic", num_train=4, num_val=2, batch_size=4)
+    module = IntuitorModule(config, tokenizer, num_samples=2, max_new_tokens=4)
+    calls = []
+    original = module.training_step
+
+    def counting_step(batch, batch_idx):
+        calls.append(batch["input_ids"].shape[0])
+        return original(batch, batch_idx)
+
+    module.training_step = counting_step  # type: ignore[method-assign]
+    recovery = OOMRecovery(initial_micro_batch_size=2, grow_after_steps=None)
+    trainer = pl.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, callbacks=[recovery],
+    )
+    before = [p.detach().clone() for p in module.model.parameters()]
+    trainer.fit(module, datamodule=dm)
+    assert calls == [2, 2]  # two micro-batches of two prompts, each with its own groups of rollouts
+    assert any(not torch.equal(b, p) for b, p in zip(before, module.model.parameters()))
+    assert "train/self_certainty" in trainer.callback_metrics
