@@ -48,7 +48,10 @@ class IntuitorModule(pl.LightningModule):
     One optimisation step per rollout batch (``mu = 1`` in GRPO terms): the "old" log-probs are the
     detached current ones, so the importance ratio is 1 at the update and the clip guards only
     against numerical drift; the same holds when a callback splits the prompt batch into
-    micro-batches, because groups are formed per prompt inside ``training_step``.
+    micro-batches, because groups are formed per prompt inside ``training_step``. The loss is a
+    token mean over the step's responses; ``OOMRecovery`` weights micro-batch losses by their share
+    of prompts, which equals the whole-batch loss when micro-batches hold equally many response
+    tokens and is the usual per-micro-batch token mean of GRPO implementations otherwise.
 
     Args:
         model_config: what to build (``lit_memopt.models.ModelConfig``).
