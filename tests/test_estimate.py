@@ -197,17 +197,19 @@ def _cli(args: list[str], tmp_path, capsys) -> tuple[int, str, str]:  # noqa: AN
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys) -> None:  # noqa: ANN001
-    args = ["recipe=sft", "model=tiny_qwen3", "batch_size=2", "seq_len=32", "data.num_train=32", "data.num_val=8"]
-    code, out, _ = _cli([*args, "gpu_memory=160MiB", "safety_margin=0.2"], tmp_path, capsys)
+    smaller = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=64", "model.arch.intermediate_size=128",
+               "model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=1", "model.arch.head_dim=32"]
+    args = ["recipe=sft", "model=tiny_qwen3", *smaller, "batch_size=2", "seq_len=32", "data.num_train=32", "data.num_val=8"]
+    code, out, _ = _cli([*args, "gpu_memory=16MiB", "safety_margin=0.2"], tmp_path, capsys)
     assert code == 0
     assert "peak" in out and "optimizer state" in out and "activations" in out
     text = " ".join(out.split())
     found = re.search(
-        r"Largest micro-batch that fits in 160.00 MiB with a 20% safety margin \(128.00 MiB usable\): (\d+) "
+        r"Largest micro-batch that fits in 16.00 MiB with a 20% safety margin \(12.80 MiB usable\): (\d+) "
         r"\(peak ([0-9.]+) MiB; \d+ would need ([0-9.]+) MiB", text)
     assert found, out
     size, peak, next_peak = int(found.group(1)), float(found.group(2)), float(found.group(3))
-    assert size >= 1 and peak <= 128.0 < next_peak
+    assert size > 2 and peak <= 12.8 < next_peak
 
 
 def test_cli_estimate_rejects_bad_names_and_sizes(tmp_path, capsys) -> None:  # noqa: ANN001
@@ -219,3 +221,24 @@ def test_cli_estimate_rejects_bad_names_and_sizes(tmp_path, capsys) -> None:  # 
         _cli(["recipe=sft", "gpu_memory=lots", "data.num_train=32", "data.num_val=8"], tmp_path, capsys)
     assert exc.value.code == 2
     assert "gpu_memory='lots' is not a memory size" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the benchmark runner
+def test_benchmark_runner_normalises_results_and_survives_failures(tmp_path, capsys) -> None:  # noqa: ANN001
+    from benchmarks.__main__ import discover_cases, main, normalise, run_case, to_markdown
+
+    ops_like = {"memory_fake": {"shape": {"tokens": 8, "vocab": 16}, "rows": [
+        {"op": "linear_logprobs", "naive_bytes": 1000, "fused_bytes": 10, "ratio": 0.01, "target_met": True}]}}
+    rows = normalise("ops", ops_like)
+    assert rows[0]["baseline"] == 1000 and rows[0]["optimized"] == 10 and rows[0]["pass"] is True
+    # an unknown case's dict: the generic finder pairs legacy/optimized values
+    rows = normalise("newcase", {"steps": [{"name": "step", "legacy_bytes": 400, "optimized_bytes": 100, "target_met": False}]})
+    assert len(rows) == 1 and rows[0]["ratio"] == 0.25 and rows[0]["pass"] is False and rows[0]["metric"] == "step"
+    failed = run_case("no_such_case", quick=True)
+    assert failed["status"] == "error" and "ModuleNotFoundError" in failed["error"]
+    md = to_markdown({"device": "cpu", "quick": True, "started": "now", "torch": "x", "platform": "y", "threads": 2,
+                      "cases": [dict(failed, rows=[]), {"case": "ops", "status": "ok", "seconds": 1.0, "rows": normalise("ops", ops_like)}]})
+    assert "**error**: ModuleNotFoundError" in md and "| ops | linear_logprobs" in md and "✅" in md
+    assert "estimates" in discover_cases()
+    assert main(["--only", "not_a_case", "--out", str(tmp_path)]) == 2
+    assert "unknown case(s) not_a_case" in capsys.readouterr().err

@@ -244,6 +244,8 @@ class _StepTracker(MemTracker):
                 if stats.local_peak.get(dev, 0) < total:
                     stats.local_peak[dev] = total
                     stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
+        # Manual optimization runs backward and the optimizer inside training_step: ask the tracker.
+        phase = "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else self.phase
         grand_total = 0
         for dev, dev_snap in current.items():
             total = dev_snap["Total"]
@@ -251,9 +253,9 @@ class _StepTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < total:
                 self._peak_mem[dev] = total
                 self._peak_mem_snap[dev] = dict(dev_snap)
-                self.peak_phase = self.phase
-        if grand_total > self.phase_peaks.get(self.phase, -1):
-            self.phase_peaks[self.phase] = grand_total
+                self.peak_phase = phase
+        if grand_total > self.phase_peaks.get(phase, -1):
+            self.phase_peaks[phase] = grand_total
 
 
 def _snapshot_total(snapshot: dict[Any, dict[Any, int]]) -> int:
@@ -736,20 +738,20 @@ def largest_micro_batch(
     while hi is None or hi - lo > 1:
         if hi is None and lo >= max_batch_size:
             break
-        guess = _secant_guess(probes, lo, hi, usable + resident_bytes)
-        upper = (hi - 1) if hi is not None else max_batch_size
+        guess, on_line = _secant_guess(probes, lo, hi, usable + resident_bytes)
         if hi is None:
-            guess = max(guess, lo + 1)
-            guess = min(guess, lo * 8, upper)  # do not trust a two-point line too far out
+            # do not trust a line far beyond the probes; a flat peak (e.g. the optimizer step
+            # dominating small batches) grows the batch geometrically instead
+            guess = min(max(guess, lo + 1), lo * 8, max_batch_size)
         else:
-            guess = min(max(guess, lo + 1), upper)
+            guess = min(max(guess, lo + 1), hi - 1)
             # a stalled secant (probes near a bracket end) falls back to bisection
             if guess in probes or (hi - lo > 4 and min(guess - lo, hi - guess) < (hi - lo) // 8):
-                guess = (lo + hi) // 2
+                guess, on_line = (lo + hi) // 2, False
         if fits(guess):
             lo = guess
-            # the answer is often right at the guess: test one above at once
-            if (hi is None or guess + 1 < hi) and guess + 1 <= max_batch_size:
+            # a guess from the line is usually the answer itself: settle it with one more probe
+            if on_line and (hi is None or guess + 1 < hi) and guess + 1 <= max_batch_size:
                 if fits(guess + 1):
                     lo = guess + 1
                 else:
@@ -759,22 +761,19 @@ def largest_micro_batch(
     return BatchFit(lo, usable, probes.get(lo), probes.get(lo + 1), probes)
 
 
-def _secant_guess(probes: dict[int, int], lo: int, hi: int | None, target: int) -> int:
-    """Where the line through the probes nearest the bracket reaches ``target``."""
+def _secant_guess(probes: dict[int, int], lo: int, hi: int | None, target: int) -> tuple[int, bool]:
+    """Where the line through the probes nearest the bracket reaches ``target``, and whether a line was used."""
     sizes = sorted(probes)
     below = [b for b in sizes if b <= lo]
     b1 = below[-1]
-    if hi is not None:
-        b2 = hi
-    else:
-        b2 = below[-2] if len(below) >= 2 else None
+    b2 = hi if hi is not None else (below[-2] if len(below) >= 2 else None)
     if b2 is None:
-        return 2 * lo
+        return 2 * lo, False
     p1, p2 = probes[b1], probes[b2]
     slope = (p2 - p1) / (b2 - b1) if b2 != b1 else 0.0
     if slope <= 0:
-        return 2 * lo if hi is None else (lo + hi) // 2
-    return int(math.floor(b1 + (target - p1) / slope))
+        return (4 * lo, False) if hi is None else ((lo + hi) // 2, False)
+    return int(math.floor(b1 + (target - p1) / slope)), True
 
 
 def initial_micro_batch_from_estimate(

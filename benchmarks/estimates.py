@@ -1,0 +1,187 @@
+"""Predicted peak memory of one training step of each method recipe at real scale (fake tensors; CUDA: measured too).
+
+Pairs put a memory technique against its baseline at the same scale: GRADE optimized vs legacy,
+SFT with vs without activation checkpointing. Run alone with ``python -m benchmarks.estimates [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# On a GPU the measured peak should sit within this share of the prediction.
+MEASURED_TOLERANCE = 0.10
+
+# (label, overrides); pairs are (baseline label, optimized label, metric).
+CASES_QUICK: list[tuple[str, list[str]]] = [
+    ("sft · Qwen3-4B · 4×1024", ["recipe=sft", "model=qwen3_4b", "batch_size=4", "seq_len=1024"]),
+    ("sft · Qwen3-4B · 4×1024 · activation checkpointing",
+     ["recipe=sft", "model=qwen3_4b", "batch_size=4", "seq_len=1024", "module.gradient_checkpointing=true"]),
+    ("grade · Qwen3-0.6B · legacy", ["recipe=grade_legacy", "model=qwen3_0_6b"]),
+    ("grade · Qwen3-0.6B · optimized", ["recipe=grade", "model=qwen3_0_6b"]),
+]
+CASES_FULL: list[tuple[str, list[str]]] = [
+    ("sft · Qwen3-4B · 8×2048", ["recipe=sft", "model=qwen3_4b", "batch_size=8", "seq_len=2048"]),
+    ("sft · Qwen3-4B · 8×2048 · activation checkpointing",
+     ["recipe=sft", "model=qwen3_4b", "batch_size=8", "seq_len=2048", "module.gradient_checkpointing=true"]),
+    ("grade · Qwen3-4B · legacy", ["recipe=grade_legacy", "model=qwen3_4b"]),
+    ("grade · Qwen3-4B · optimized", ["recipe=grade", "model=qwen3_4b"]),
+    ("ttt · TTT-125M", ["recipe=ttt", "model=ttt_125m"]),
+    ("intuitor · Qwen2.5-1.5B", ["recipe=intuitor", "model=qwen2_5_1_5b"]),
+    ("crsp · Qwen2.5-7B", ["recipe=crsp", "model=qwen2_5_7b"]),
+]
+PAIRS = [
+    ("sft · Qwen3-4B · 4×1024", "sft · Qwen3-4B · 4×1024 · activation checkpointing", "SFT step, activation checkpointing: predicted peak (Qwen3-4B, 4×1024)", "plain"),
+    ("sft · Qwen3-4B · 8×2048", "sft · Qwen3-4B · 8×2048 · activation checkpointing", "SFT step, activation checkpointing: predicted peak (Qwen3-4B, 8×2048)", "plain"),
+    ("grade · Qwen3-0.6B · legacy", "grade · Qwen3-0.6B · optimized", "GRADE step: predicted peak (Qwen3-0.6B, recipe batch)", "legacy"),
+    ("grade · Qwen3-4B · legacy", "grade · Qwen3-4B · optimized", "GRADE step: predicted peak (Qwen3-4B, recipe batch)", "legacy"),
+]
+
+
+def compose(overrides: list[str]) -> Any:
+    """The composed lit-memopt config for ``overrides``, exactly as the command line builds it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lit_memopt.cli import check_overrides, conf_dir, register_recipes
+
+    register_recipes()
+    check_overrides(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return hydra_compose(config_name="config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def estimate_case(label: str, overrides: list[str]) -> dict[str, Any]:
+    """One recipe's estimate as a JSON-ready dict (``error`` set when it could not be estimated)."""
+    from lit_memopt.memory.estimate import estimate_recipe
+
+    started = time.perf_counter()
+    entry: dict[str, Any] = {"label": label, "overrides": overrides}
+    try:
+        report = estimate_recipe(compose(overrides))
+    except Exception as exc:  # noqa: BLE001 - a recipe that cannot be estimated is a result, not a crash
+        entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+        entry["seconds"] = time.perf_counter() - started
+        return entry
+    est = report.estimate
+    entry.update(
+        recipe=report.recipe,
+        model=report.model,
+        batch_size=est.batch_size,
+        seq_len=est.seq_len,
+        peak_bytes=est.peak_bytes,
+        breakdown=est.breakdown,
+        peak_phase=est.peak_phase,
+        phase_peaks=est.phase_peaks,
+        top_modules=[m.as_dict() for m in est.top_modules(5)],
+        measured_peak_bytes=report.measured_peak_bytes,
+        device=report.device,
+        seconds=time.perf_counter() - started,
+    )
+    return entry
+
+
+def report_rows(estimates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in the benchmark runner's format (see ``benchmarks/__main__.py:row``)."""
+    by_label = {e["label"]: e for e in estimates}
+    rows: list[dict[str, Any]] = []
+    for base, opt, metric, base_label in PAIRS:
+        b, o = by_label.get(base), by_label.get(opt)
+        if b is None or o is None:
+            continue
+        if "peak_bytes" in b and "peak_bytes" in o:
+            rows.append({"case": "estimates", "metric": metric, "baseline": b["peak_bytes"], "baseline_label": base_label,
+                         "optimized": o["peak_bytes"], "unit": "bytes", "ratio": o["peak_bytes"] / b["peak_bytes"],
+                         "target": "< 1×", "pass": o["peak_bytes"] < b["peak_bytes"]})
+    for e in estimates:
+        if "error" in e:
+            rows.append({"case": "estimates", "metric": f"{e['label']}: not estimable on fake tensors ({e['error'][:120]})",
+                         "baseline": None, "optimized": None, "unit": "bytes", "ratio": None, "target": "", "pass": None})
+            continue
+        shape = f"{e['batch_size']}×{e['seq_len']}" if e.get("seq_len") else f"{e['batch_size']} rows"
+        measured = e.get("measured_peak_bytes")
+        if measured:
+            ratio = measured / e["peak_bytes"]
+            rows.append({"case": "estimates", "metric": f"{e['label']} ({shape}): measured (CUDA allocator) vs predicted peak",
+                         "baseline": e["peak_bytes"], "baseline_label": "predicted", "optimized": measured, "unit": "bytes",
+                         "ratio": ratio, "target": f"within ±{MEASURED_TOLERANCE:.0%}", "pass": abs(ratio - 1) <= MEASURED_TOLERANCE})
+        else:
+            rows.append({"case": "estimates", "metric": f"{e['label']} ({shape}): predicted peak, peak during the {e['peak_phase']}",
+                         "baseline": None, "optimized": e["peak_bytes"], "unit": "bytes", "ratio": None, "target": "", "pass": None})
+    return rows
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Predicted peak memory of one training step, per recipe at real scale",
+        "",
+        f"torch {result['torch']}, {result['platform']}. `lit-memopt estimate` machinery: fake tensors and PyTorch's "
+        "MemTracker; optimizer states exist before the step (steady state), foreach optimizer as on CUDA.",
+        "",
+        "| recipe | batch | predicted peak | params | grads | optimizer | activations | temporaries | peak during | measured | s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+
+    def gib(n: Any) -> str:
+        return f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) else "—"
+
+    for e in result["estimates"]:
+        if "error" in e:
+            lines.append(f"| {e['label']} | | not estimable: {e['error'][:140]} | | | | | | | | {e['seconds']:.0f} |")
+            continue
+        b = e["breakdown"]
+        shape = f"{e['batch_size']}×{e['seq_len']}" if e.get("seq_len") else str(e["batch_size"])
+        lines.append(
+            f"| {e['label']} | {shape} | {gib(e['peak_bytes'])} | {gib(b['parameters'])} | {gib(b['gradients'])} | "
+            f"{gib(b['optimizer_state'])} | {gib(b['activations'])} | {gib(b['temporaries'])} | {e['peak_phase']} | "
+            f"{gib(e.get('measured_peak_bytes'))} | {e['seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
+    """Estimate every case; write ``results/estimates_<device>[_quick].{md,json}``; return the data with ``report_rows``."""
+    cases = CASES_QUICK if quick else CASES_FULL
+    estimates = [estimate_case(label, overrides) for label, overrides in cases]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result: dict[str, Any] = {
+        "benchmark": "estimates",
+        "quick": quick,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "device": device,
+        "estimates": estimates,
+    }
+    result["report_rows"] = report_rows(estimates)
+    if write:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        stem = f"estimates_{device}" + ("_quick" if quick else "")
+        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
+        result["written"] = [str(RESULTS_DIR / f"{stem}.md"), str(RESULTS_DIR / f"{stem}.json")]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="SFT at Qwen3-4B and GRADE at Qwen3-0.6B only")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    print(to_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
