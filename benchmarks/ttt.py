@@ -76,11 +76,11 @@ def memory_saving_group(config: TTTConfig, batch: int, seq_len: int) -> int:
     )
 
 
-def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int) -> dict[str, int]:
-    """Fake-tensor peaks of one training step; ``config.num_layers == 0`` keeps only embedding + head."""
+def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int, num_layers: int) -> dict[str, int]:
+    """Fake-tensor peaks of one training step with ``num_layers`` blocks (0: embedding + head only)."""
     with fake_mode():
-        model = TTTConfig(**{**vars(config), "num_layers": max(config.num_layers, 1)}).build_model()
-        if config.num_layers == 0:
+        model = TTTConfig(**{**vars(config), "num_layers": max(num_layers, 1)}).build_model()
+        if num_layers == 0:
             model.layers = torch.nn.ModuleList()
         _set_group(model, group)
         input_ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq_len"]))
@@ -97,8 +97,7 @@ def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int) -> dict[st
 def _fake_point(args: tuple[dict[str, Any], dict[str, int], int, int]) -> dict[str, Any]:
     config, shape, group, layers = args
     torch.set_num_threads(1)
-    cfg = TTTConfig(**{**config, "num_layers": layers})
-    return {"checkpoint_group_size": group, "num_layers": layers, **_fake_peaks(cfg, shape, group)}
+    return {"checkpoint_group_size": group, "num_layers": layers, **_fake_peaks(TTTConfig(**config), shape, group, layers)}
 
 
 def measure_fake(
