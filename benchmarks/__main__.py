@@ -187,7 +187,52 @@ def _rows_oom(result: dict[str, Any], module: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _rows_grade(result: dict[str, Any], module: Any) -> list[dict[str, Any]]:
+    out = []
+    fake = result.get("qwen3_4b_fake", [])
+    summary = result.get("summary", {})
+    targets = result.get("targets", {})
+    step = result.get("fake_step", result.get("step", {}))
+    shape = f"batch {step.get('batch')}, {step.get('new_tokens')} new tokens, top-k {step.get('top_k')}" if step else ""
+    if len(fake) >= 2:
+        legacy = fake[0]
+        for r in fake[1:]:
+            best = r.get("label") == summary.get("best_optimized")
+            out.append(row("grade", f"GRADE step, Qwen3-4B ({shape}), {r.get('label')}: memory beyond the weights",
+                           legacy.get("extra_bytes"), r.get("extra_bytes"), "bytes", baseline_label="legacy",
+                           target=_target_le(targets.get("extra_ratio")) if best else "",
+                           passed=summary.get("extra_ratio_ok") if best else None))
+        best = next((r for r in fake if r.get("label") == summary.get("best_optimized")), None)
+        if best:
+            limit = targets.get("whole_step_gib")
+            out.append(row("grade", f"GRADE step, Qwen3-4B, {best.get('label')}: whole-step peak", legacy.get("peak_bytes"),
+                           best.get("peak_bytes"), "bytes", baseline_label="legacy",
+                           target=f"≤ {limit:g} GiB" if isinstance(limit, (int, float)) else "", passed=summary.get("whole_step_ok")))
+    tiny = result.get("tiny_real", [])
+    if len(tiny) >= 2:
+        for r in tiny[1:]:
+            out.append(row("grade", f"GRADE step, tiny model, {r.get('label')}: CPU time", tiny[0].get("step_seconds"),
+                           r.get("step_seconds"), "s", baseline_label="legacy"))
+    return out
+
+
+def _rows_callbacks(result: dict[str, Any], module: Any) -> list[dict[str, Any]]:
+    out = []
+    target = result.get("target_overhead_fraction")
+    for kind, r in (result.get("results") or {}).items():
+        base = r.get("median_step_without_s")
+        hooks = r.get("hook_step_s")
+        if base is None or hooks is None:
+            continue
+        out.append(row("callback_overhead", f"{kind}: step time + hook time ({result.get('model', 'tiny model')})", base, base + hooks, "s",
+                       baseline_label="without callbacks",
+                       target=f"≤ {1 + target:g}×" if isinstance(target, (int, float)) else "", passed=r.get("within_target")))
+    return out
+
+
 ADAPTERS: dict[str, Callable[[dict[str, Any], Any], list[dict[str, Any]]]] = {
+    "grade": _rows_grade,
+    "callback_overhead": _rows_callbacks,
     "ops": _rows_ops,
     "crsp": _rows_crsp,
     "intuitor": _rows_intuitor,
@@ -374,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "cases": [],
     }
+    json_path = out_dir / f"{device}.json"
+    md_path = out_dir / f"{device}.md"
     total_start = time.perf_counter()
     for name in cases:
         print(f"[benchmarks] {name} ...", flush=True)
@@ -381,7 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         report["cases"].append(entry)
         status = "ok" if entry["status"] == "ok" else f"FAILED ({entry['error'].splitlines()[0][:200]})"
         print(f"[benchmarks] {name}: {status} in {entry['seconds']:.1f} s, {len(entry['rows'])} rows", flush=True)
-    report["seconds"] = time.perf_counter() - total_start
+        # Written after every case: an interrupted run still leaves the cases it finished.
+        report["seconds"] = time.perf_counter() - total_start
+        json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        md_path.write_text(to_markdown(report))
 
     try:
         from benchmarks.plots import write_plots
@@ -391,8 +441,6 @@ def main(argv: list[str] | None = None) -> int:
         report["plots"] = []
         report.setdefault("notes", []).append(f"plots not written: {type(exc).__name__}: {exc}")
 
-    json_path = out_dir / f"{device}.json"
-    md_path = out_dir / f"{device}.md"
     json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     md_path.write_text(to_markdown(report))
     print(to_markdown(report))
