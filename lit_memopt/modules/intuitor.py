@@ -221,7 +221,7 @@ class IntuitorModule(pl.LightningModule):
         loss = ppo_clip_loss(
             logp,
             logp.detach(),
-            advantages[:, None].expand_as(logp),
+            advantages,  # one per response, broadcast over its tokens
             clip_eps=hp.clip_eps,
             mask=positions,
             ref_logp=ref_logp,
