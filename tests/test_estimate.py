@@ -92,6 +92,9 @@ def test_estimate_scales_with_batch_and_foreach_adds_a_temporary() -> None:
     # accumulating micro-batches keep gradients alive through the forward
     acc = estimate_peak(build, _batch(), batch_size=2, accumulating=True)
     assert acc.peak_bytes > small.peak_bytes
+    # CUDA's default foreach AdamW holds parameter-sized temporaries in the optimizer step
+    foreach = estimate_peak(build, _batch(), batch_size=2, optimizer_foreach=True)
+    assert foreach.phase_peaks["optimizer step"] > small.phase_peaks["optimizer step"]
 
 
 def test_largest_micro_batch_is_exact_on_a_nonlinear_peak() -> None:
