@@ -272,19 +272,18 @@ def to_markdown(result: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| checkpoint_group_size | layers | peak GiB | extra GiB | activations GiB | peak ratio | extra ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| checkpoint_group_size | blocks | peak GiB | extra GiB | peak ratio | extra ratio |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in fake["measured"]:
         lines.append(
-            f"| {r['checkpoint_group_size']} | {r['num_layers']} (measured) | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | "
-            f"{_gib(r['activation_bytes'])} | | |"
+            f"| {r['checkpoint_group_size']} | {r['num_layers']} (measured) | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | | |"
         )
     for r in fake["rows"]:
         tag = "extrapolated" if r["extrapolated"] else "measured"
         lines.append(
             f"| {r['checkpoint_group_size']} | **{r['num_layers']} ({tag})** | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | "
-            f"{_gib(r['activation_bytes'])} | {r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} |"
+            f"{r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} |"
         )
     ms, ts = real["memory_shape"], real["time_shape"]
     lines += [
