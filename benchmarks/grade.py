@@ -11,6 +11,7 @@ Run ``python benchmarks/grade.py [--quick]`` or call :func:`run`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -45,10 +46,10 @@ VARIANTS = [
 
 
 class _FakeAwareBudget(MemoryBudget):
-    """``memory_budget`` that also counts fake tensors (whose storages live on the meta device).
+    """``memory_budget`` that also counts meta and fake tensors (whose storages live on the meta device).
 
-    ``peak_during`` (MemTracker) cannot be used here: it installs gradient hooks on every
-    parameter of every module it sees and fails on the frozen base weights of a LoRA model.
+    ``lit_memopt.memory.peak_during`` (MemTracker) cannot be used here: it installs gradient hooks
+    on every parameter of every module it runs and fails on the frozen base weights of a LoRA model.
     """
 
     def _counts(self, st: torch.UntypedStorage) -> bool:
@@ -110,8 +111,28 @@ def _one_step(module, optimizer, input_ids, attention_mask, generator) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def fake_step_peak(model: str, mode: str, checkpoint_steps: bool, *, layers: int | None = None, steps: dict[str, int] = STEP) -> dict[str, Any]:
-    """Peak live bytes of one GRADE training step at ``model``'s real architecture, with fake tensors."""
+@contextlib.contextmanager
+def _all_ones_masks_skip_materialisation() -> Iterator[None]:
+    """Meta tensors have no values, so transformers cannot test whether an attention mask is all ones
+    (``.all().item()``); the benchmark's prompts are unpadded, and for all-ones masks transformers
+    skips building a 4-D mask (causal SDPA instead). Answer that question for it, as it would."""
+    import transformers.masking_utils as masking
+
+    original = masking._ignore_causal_mask_sdpa
+    masking._ignore_causal_mask_sdpa = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        masking._ignore_causal_mask_sdpa = original
+
+
+def step_peak(model: str, mode: str, checkpoint_steps: bool, *, layers: int | None = None, steps: dict[str, int] = STEP, backend: str = "meta") -> dict[str, Any]:
+    """Peak live bytes of one GRADE training step at ``model``'s real architecture, without real memory.
+
+    ``backend="meta"``: shape-only meta tensors (fast); ``"fake"``: ``lit_memopt.memory.fake_mode``
+    fake tensors (the same accounting, about 20x slower per op). Both count storages with
+    ``memory_budget``'s live-bytes tracker.
+    """
     from lit_memopt.memory.fake import fake_mode
 
     torch.set_num_threads(1)
@@ -119,31 +140,35 @@ def fake_step_peak(model: str, mode: str, checkpoint_steps: bool, *, layers: int
     start = time.perf_counter()
     with torch.device("meta"):
         module = _build(config, mode, checkpoint_steps, steps, reward_classifier=True)
-    with fake_mode():
-        _meta_to_fake(module)
+    context = fake_mode() if backend == "fake" else torch.device("meta")
+    with context:
+        if backend == "fake":
+            _meta_to_fake(module)
         module.train()
         optimizer = module.configure_optimizers()["optimizer"]
         weights = _module_bytes(module)
         vocab = config.hf_config().vocab_size
         input_ids = torch.randint(3, vocab, (steps["batch"], steps["prompt"]))
         attention_mask = torch.ones_like(input_ids)
-        # Fake tensors cannot draw from a torch.Generator; the noise values do not change the memory.
-        with _FakeAwareBudget(None, baseline_bytes=weights) as probe:
+        masks = _all_ones_masks_skip_materialisation() if backend == "meta" else contextlib.nullcontext()
+        # Shape-only tensors cannot draw from a torch.Generator; the noise values do not change the memory.
+        with masks, _FakeAwareBudget(None, baseline_bytes=weights) as probe:
             _one_step(module, optimizer, input_ids, attention_mask, None)
     trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
     return {
         "model": model, "layers": config.hf_config().num_hidden_layers, "mode": mode, "checkpoint_steps": checkpoint_steps,
-        "weights_bytes": weights, "peak_bytes": probe.peak_bytes, "extra_bytes": probe.peak_bytes - weights,
+        "backend": backend, "weights_bytes": weights, "peak_bytes": probe.peak_bytes, "extra_bytes": probe.peak_bytes - weights,
         "trainable_params": trainable, "measure_seconds": time.perf_counter() - start,
     }
 
 
-def _fake_in_subprocess(model: str, mode: str, checkpoint_steps: bool, layers: int | None, steps: dict[str, int]) -> dict[str, Any]:
-    # One process per measurement: peak tracking starts clean and runs can go in parallel.
+def _variant_in_subprocess(mode: str, checkpoint_steps: bool, plan: list[tuple[int, dict[str, int], str]]):
+    # One process per variant (measurements run one after another inside it; each has its own tracker),
+    # so the three variants proceed in parallel.
     code = (
-        "import json, sys; sys.path.insert(0, %r); from benchmarks.grade import fake_step_peak; "
-        "print('RESULT' + json.dumps(fake_step_peak(%r, %r, %r, layers=%r, steps=%r)))"
-        % (str(REPO), model, mode, checkpoint_steps, layers, steps)
+        "import json, sys; sys.path.insert(0, %r); from benchmarks.grade import step_peak; "
+        "print('RESULT' + json.dumps([step_peak('qwen3_4b', %r, %r, layers=l, steps=s, backend=b) for l, s, b in %r]))"
+        % (str(REPO), mode, checkpoint_steps, plan)
     )
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -202,44 +227,52 @@ def run(quick: bool = False, *, write: bool = True) -> dict[str, Any]:
 
     The 4B architecture is measured with the full step shape at 1 and 2 decoder layers and
     extrapolated linearly to its 36: every decoder layer has the same weights and keeps the same
-    per-step tensors, so the step's live bytes are affine in the layer count (fake-tensor dispatch
-    costs about a millisecond per op, and 36 layers x 64 steps would take hours on a CPU).
-    ``quick`` generates 16 tokens instead of 64 everywhere.
+    per-step tensors, so the step's live bytes are affine in the layer count (checked: the fit from
+    1 and 2 layers predicts a measured 4-layer step). Tensors are shape-only (meta device); the
+    same step is also measured with ``fake_mode`` fake tensors at a small shape as a cross-check.
+    ``quick`` generates 16 tokens instead of 64 and skips the checks.
     """
-    fake_steps = dict(STEP) if not quick else dict(STEP, new_tokens=16)
+    main_steps = dict(STEP) if not quick else dict(STEP, new_tokens=16)
     tiny_steps = dict(STEP, new_tokens=32) if not quick else dict(STEP, new_tokens=16)
     results: dict[str, Any] = {
         "step": STEP, "lora": LORA, "torch": torch.__version__, "platform": platform.platform(), "quick": quick,
         "targets": {"extra_ratio": EXTRA_RATIO_TARGET, "whole_step_gib": WHOLE_STEP_TARGET_GIB},
     }
 
-    # --- Qwen3-4B architecture, fake tensors (each measurement in its own process, two at a time).
-    layer_counts = list(FIT_LAYERS)
-    repeats = 1
-    tiny_proc = _tiny_in_subprocess(tiny_steps, repeats)  # real tensors, in parallel with the fake runs
-    jobs = [(label, mode, ckpt, layers) for label, mode, ckpt in VARIANTS for layers in layer_counts]
-    measured: dict[tuple[str, int | None], dict[str, Any]] = {}
-    pending = list(jobs)
-    running: list[tuple[tuple[str, str, bool, int | None], Any]] = []
-    while pending or running:
-        while pending and len(running) < 2:
-            job = pending.pop(0)
-            running.append((job, _fake_in_subprocess("qwen3_4b", job[1], job[2], job[3], fake_steps)))
-        job, proc = running.pop(0)
-        measured[(job[0], job[3])] = _collect(proc)
-    fake_rows = []
-    full_layers = _model_config("qwen3_4b", lora=False).hf_config().num_hidden_layers
+    # --- Qwen3-4B architecture, shape-only tensors; tiny model, real tensors; all in parallel.
     lo, hi = FIT_LAYERS
-    for label, mode, ckpt in VARIANTS:
-        a, b = measured[(label, lo)], measured[(label, hi)]
-        row = {k: int(a[k] + (b[k] - a[k]) / (hi - lo) * (full_layers - lo)) for k in ("weights_bytes", "peak_bytes", "extra_bytes")}
+    check_steps = dict(STEP, new_tokens=8)  # linearity in the layer count, checked at 4 layers
+    cross_steps = dict(STEP, new_tokens=2)  # meta vs fake tensors, same accounting
+    plan = [(lo, main_steps, "meta"), (hi, main_steps, "meta")]
+    if not quick:
+        plan += [(lo, check_steps, "meta"), (hi, check_steps, "meta"), (4, check_steps, "meta"),
+                 (1, cross_steps, "meta"), (1, cross_steps, "fake")]
+    tiny_proc = _tiny_in_subprocess(tiny_steps, 1)
+    procs = [(label, mode, ckpt, _variant_in_subprocess(mode, ckpt, plan)) for label, mode, ckpt in VARIANTS]
+    full_layers = _model_config("qwen3_4b", lora=False).hf_config().num_hidden_layers
+
+    def extrapolate(a: dict[str, Any], b: dict[str, Any], layers: int) -> dict[str, int]:
+        return {k: int(a[k] + (b[k] - a[k]) / (hi - lo) * (layers - lo)) for k in ("weights_bytes", "peak_bytes", "extra_bytes")}
+
+    fake_rows, checks = [], []
+    for label, mode, ckpt, proc in procs:
+        measured = _collect(proc)
+        row = extrapolate(measured[0], measured[1], full_layers)
         row.update(
             label=label, mode=mode, checkpoint_steps=ckpt, layers=full_layers, extrapolated_from_layers=[lo, hi],
-            measured={str(lo): a, str(hi): b}, measure_seconds=a["measure_seconds"] + b["measure_seconds"],
+            measured=measured[:2], measure_seconds=sum(m["measure_seconds"] for m in measured[:2]),
         )
         fake_rows.append(row)
+        if not quick:
+            predicted = extrapolate(measured[2], measured[3], 4)["peak_bytes"]
+            checks.append({
+                "label": label, "predicted_peak_4_layers": predicted, "measured_peak_4_layers": measured[4]["peak_bytes"],
+                "linearity_error": abs(predicted - measured[4]["peak_bytes"]) / measured[4]["peak_bytes"],
+                "meta_extra_1_layer": measured[5]["extra_bytes"], "fake_extra_1_layer": measured[6]["extra_bytes"],
+            })
     results["qwen3_4b_fake"] = fake_rows
-    results["fake_step"] = fake_steps
+    results["fake_step"] = main_steps
+    results["checks"] = checks
 
     # --- tiny model, real tensors.
     tiny_rows = _collect(tiny_proc)
@@ -275,11 +308,13 @@ def _write(results: dict[str, Any]) -> None:
         f"LoRA r{LORA['r']} alpha{LORA['alpha']} on q/k/v/o; reference = the adapter-free base (no copy); reward = a frozen "
         "Qwen3 sequence classifier of the same architecture. Forward (soft generation, reward, online KL), backward and AdamW step.",
         "",
-        "## Qwen3-4B architecture (bf16), fake tensors on the CPU",
+        "## Qwen3-4B architecture (bf16), shape-only tensors on the CPU",
         "",
-        f"Step shape above{' (quick run: ' + str(results['fake_step']['new_tokens']) + ' new tokens)' if results['quick'] else ''}; "
-        f"measured at {FIT_LAYERS[0]} and {FIT_LAYERS[1]} decoder layers with everything else at full size (vocabulary "
-        "151,936, hidden 2,560), extrapolated linearly to 36 layers (each layer adds the same weights and per-step tensors).",
+        f"Step shape above{' (quick run: ' + str(results['fake_step']['new_tokens']) + ' new tokens)' if results['quick'] else ''}. "
+        "Tensors are shape-only (meta device; no memory, no GPU, no weights) and every storage created by the step is "
+        "counted while alive by `memory_budget`'s tracker. Measured at "
+        f"{FIT_LAYERS[0]} and {FIT_LAYERS[1]} decoder layers with everything else at full size (vocabulary 151,936, "
+        "hidden 2,560), extrapolated linearly to 36 layers: each layer adds the same weights and per-step tensors.",
         "Peak = live tensor bytes (weights + activations + gradients + optimizer state + temporaries).",
         "",
         "| variant | weights GiB | peak GiB | beyond weights GiB | vs legacy |",
@@ -291,6 +326,20 @@ def _write(results: dict[str, Any]) -> None:
             f"| {r['label']} | {_fmt_gib(r['weights_bytes'])} | {_fmt_gib(r['peak_bytes'])} | {_fmt_gib(r['extra_bytes'])} "
             f"| {r['extra_bytes'] / legacy['extra_bytes']:.3f} |"
         )
+    if results.get("checks"):
+        lines += [
+            "",
+            "Checks: the 1/2-layer fit predicts a measured 4-layer step (8 new tokens); meta tensors and",
+            "`lit_memopt.memory.fake_mode` fake tensors count the same step alike (1 layer, 2 new tokens).",
+            "",
+            "| variant | 4-layer peak predicted GiB | measured GiB | error | beyond weights, meta MiB | fake MiB |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for c in results["checks"]:
+            lines.append(
+                f"| {c['label']} | {_fmt_gib(c['predicted_peak_4_layers'])} | {_fmt_gib(c['measured_peak_4_layers'])} "
+                f"| {100 * c['linearity_error']:.2f}% | {_fmt_mib(c['meta_extra_1_layer'])} | {_fmt_mib(c['fake_extra_1_layer'])} |"
+            )
     tiny = results["tiny_step"]
     lines += [
         "",
