@@ -3,7 +3,7 @@ tensors, no GPU, no weights) and measured for real on the tiny model, plus step 
 
 One step = soft generation + reward + KL + backward + AdamW step, for a LoRA policy whose reference
 is the adapter-free base, and a frozen Qwen3 sequence classifier of the same architecture as the
-reward model. Writes ``benchmarks/results/grade_cpu.{md,json}``.
+reward model. Writes ``benchmarks/results/grade_cpu.{md,json}`` (``--quick``: ``grade_cpu_quick.{md,json}``).
 
 Run ``python benchmarks/grade.py [--quick]`` or call :func:`run`.
 """
@@ -297,9 +297,15 @@ def run(quick: bool = False, *, write: bool = True) -> dict[str, Any]:
     return results
 
 
+def results_stem(quick: bool) -> str:
+    """``grade_cpu`` for the full run; a quick run writes ``grade_cpu_quick`` and never overwrites it."""
+    return "grade_cpu_quick" if quick else "grade_cpu"
+
+
 def _write(results: dict[str, Any]) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / "grade_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    stem = results_stem(results["quick"])
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     step, s = results["step"], results["summary"]
     lines = [
         "# GRADE: legacy vs optimized, one training step",
@@ -369,7 +375,7 @@ def _write(results: dict[str, Any]) -> None:
         "",
         f"torch {results['torch']}, {results['platform']}.",
     ]
-    (RESULTS_DIR / "grade_cpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS_DIR / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2/4-layer fake runs extrapolated to 36 layers; shorter tiny runs")
     args = parser.parse_args(argv)
     results = run(quick=args.quick)
-    print((RESULTS_DIR / "grade_cpu.md").read_text())
+    print((RESULTS_DIR / f"{results_stem(args.quick)}.md").read_text())
     return 0 if results["summary"]["extra_ratio_ok"] and results["summary"]["whole_step_ok"] else 1
 
 
