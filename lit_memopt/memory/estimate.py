@@ -953,6 +953,7 @@ class EstimateReport:
     measured_peak_bytes: int | None = None
     device: str = "cpu"
     build_seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -1034,7 +1035,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"safety_margin must be in [0, 1), got {margin!r}")
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     parts = build_recipe_estimator(cfg)
     batch = resize_batch(parts.batch, batch_size, seq_len)
     # Built once: a step changes fake weights, which have no values to change, so probes can share it.
@@ -1068,6 +1069,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         measured_peak_bytes=measured,
         device=device,
         build_seconds=time.perf_counter() - started,
+        cpu_seconds=time.process_time() - cpu_started,
     )
 
 
@@ -1082,8 +1084,8 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
             console = Console(width=110)
     est = report.estimate
     shape = f"{est.batch_size} × {est.seq_len} tokens" if est.seq_len else f"{est.batch_size} rows"
-    title = f"Predicted peak memory of one training step: recipe={report.recipe} model={report.model}, batch {shape}"
-    table = Table(title=title, title_justify="left")
+    console.print(f"[bold]Predicted peak memory of one training step[/]: recipe={report.recipe} model={report.model}, batch {shape}")
+    table = Table()
     table.add_column("at the peak", style="bold")
     table.add_column("predicted", justify="right")
     table.add_column("share", justify="right")
@@ -1129,7 +1131,10 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
                 f"[bold green]Largest micro-batch that fits in {budget}: {fit.micro_batch_size}[/] "
                 f"(peak {format_bytes(fit.peak_bytes or 0)}{nxt}; {len(fit.probes)} steps estimated)."
             )
-    console.print(f"Estimated in {report.build_seconds:.1f} s on fake tensors (no weights, no device memory).")
+    console.print(
+        f"Estimated in {report.build_seconds:.0f} s ({report.cpu_seconds:.0f} s of CPU time) on fake tensors: "
+        "no weights, no device memory."
+    )
 
 
 def run_estimate_command(cfg: Any) -> EstimateReport:
