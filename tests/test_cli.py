@@ -71,7 +71,8 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
 def test_fit_then_validate_sft(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(
-        ["fit", "recipe=sft", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.enable_progress_bar=false",
+        ["fit", "recipe=sft", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1",
+         "trainer.enable_progress_bar=false",
          f"hydra.run.dir={run_dir}"],
         tmp_path,
     )
