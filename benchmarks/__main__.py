@@ -104,8 +104,11 @@ def _rows_ops(result: dict[str, Any], module: Any) -> list[dict[str, Any]]:
     shape = _get(result, "memory_fake", "shape", default={})
     where = f"{shape.get('tokens', '?')} tokens, vocab {shape.get('vocab', '?')}" if shape else ""
     for r in _get(result, "memory_fake", "rows", default=[]) or []:
+        # The ops case judges its target at the full shape only (target_met None at the quick one).
+        judged = r.get("target_met") is not None
         out.append(row("ops", f"{r.get('op')}: extra memory, fake tensors ({where})", r.get("naive_bytes"), r.get("fused_bytes"), "bytes",
-                       ratio=r.get("ratio"), target=mem_target, passed=r.get("target_met")))
+                       ratio=r.get("ratio"), target=mem_target if judged else f"{mem_target} (full shape only)",
+                       passed=r.get("target_met")))
     for key, label, target_name in (("time_cpu", "CPU time", "CPU_TIME_TARGET"), ("time_cuda", "CUDA time", "CUDA_TIME_TARGET")):
         for r in _get(result, key, "rows", default=[]) or []:
             out.append(row("ops", f"{r.get('op')}: {label}", r.get("naive_s"), r.get("fused_s"), "s",
@@ -384,6 +387,35 @@ def to_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_plots(report: dict[str, Any], out_dir: Path, device: str) -> None:
+    try:
+        from benchmarks.plots import write_plots
+
+        report["plots"] = [str(p) for p in write_plots(report, out_dir, device)]
+    except Exception as exc:  # noqa: BLE001 - plots are a courtesy; the table is the result
+        report["plots"] = []
+        report.setdefault("notes", []).append(f"plots not written: {type(exc).__name__}: {exc}")
+
+
+def render(json_path: Path) -> int:
+    """Rebuild ``<device>.md`` and the plots from a saved report, re-normalising each case's stored result."""
+    report = json.loads(json_path.read_text())
+    for entry in report["cases"]:
+        if entry.get("status") == "ok" and isinstance(entry.get("result"), dict):
+            try:
+                module = importlib.import_module(f"benchmarks.{entry['case']}")
+            except ImportError:
+                module = None
+            entry["rows"] = normalise(entry["case"], entry["result"], module)
+    report["notes"] = [n for n in report.get("notes", []) if not n.startswith("plots not written")]
+    _write_plots(report, json_path.parent, report["device"])
+    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    md_path = json_path.with_suffix(".md")
+    md_path.write_text(to_markdown(report))
+    print(f"wrote {md_path}" + (f" and {len(report['plots'])} plots" if report["plots"] else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the cases; write ``results/<device>.{json,md}`` and plots; 1 if any case failed (or, with ``--strict``, missed a target)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
@@ -392,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--out", default=str(RESULTS_DIR), help="folder for <device>.json/.md and the plots")
     parser.add_argument("--strict", action="store_true", help="also exit 1 when a measured target is missed")
+    parser.add_argument("--render", metavar="JSON", default=None,
+                        help="run nothing: rebuild the table and plots from a <device>.json written earlier")
     args = parser.parse_args(argv)
+    if args.render:
+        return render(Path(args.render))
 
     cases = discover_cases()
     if args.list:
@@ -433,14 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         md_path.write_text(to_markdown(report))
 
-    try:
-        from benchmarks.plots import write_plots
-
-        report["plots"] = [str(p) for p in write_plots(report, out_dir, device)]
-    except Exception as exc:  # noqa: BLE001 - plots are a courtesy; the table is the result
-        report["plots"] = []
-        report.setdefault("notes", []).append(f"plots not written: {type(exc).__name__}: {exc}")
-
+    _write_plots(report, out_dir, device)
     json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     md_path.write_text(to_markdown(report))
     print(to_markdown(report))
