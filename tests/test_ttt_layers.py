@@ -145,6 +145,75 @@ def test_scan_checkpointing_saves_fewer_tensors():
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_layer_checkpointing_with_input_norm_gives_identical_gradients(kind):
+    """``layer(x, norm)`` == ``layer(norm(x))``, and with checkpointing (the whole layer, input
+    norm included, recomputed in backward) outputs and gradients stay bit-identical."""
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(8))
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(16, generator=torch.Generator().manual_seed(9)))
+    plain = _make(kind)
+    ref_out = plain(norm(x))
+    ref = _grads(plain, x, lambda t: plain(norm(t)))
+    ref_norm = norm.weight.grad.clone()
+    norm.zero_grad(set_to_none=True)
+    assert torch.equal(plain(x, norm), ref_out)
+    for group in (1, 3):
+        layer = _make(kind, checkpoint_group_size=group)
+        assert torch.equal(layer(x, norm), ref_out)
+        got = _grads(layer, x, lambda t: layer(t, norm))
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (group, name)
+        assert torch.equal(norm.weight.grad, ref_norm), group
+        norm.zero_grad(set_to_none=True)
+
+
+def _saved_bytes_recorded(fn):
+    """Bytes autograd saves for backward through the hooks seen by the caller (a checkpoint's
+    own hooks take over inside it, so what a checkpoint recomputes is not counted)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_checkpointing_covers_the_whole_layer_and_its_input_norm():
+    """Nothing of the layer (input norm, q/k/v, learning-rate gate, scan, output norm and
+    projection) is saved outside the checkpoint: backward keeps only the layer input."""
+    x = torch.randn(2, 22, 16, requires_grad=True)
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    input_bytes = x.numel() * x.element_size()
+    assert _saved_bytes_recorded(lambda: _make("linear")(x, norm)) > 10 * input_bytes
+    for kind in ("linear", "mlp"):
+        assert _saved_bytes_recorded(lambda: _make(kind, checkpoint_group_size=2)(x, norm)) == input_bytes, kind
+
+
+def test_checkpointed_model_gives_identical_gradients():
+    cfg = dict(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24, mini_batch_size=4, conv_kernel=2)
+    ids = torch.randint(0, 384, (2, 22), generator=torch.Generator().manual_seed(10))
+
+    def run(group):
+        torch.manual_seed(0)
+        model = TTTConfig(**cfg, checkpoint_group_size=group).build_model().double()
+        out = model(ids)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(11))).sum().backward()
+        return out, {n: p.grad for n, p in model.named_parameters()}
+
+    ref_out, ref = run(0)
+    for group in (1, 2):
+        out, got = run(group)
+        assert torch.equal(out, ref_out)
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (group, name)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_causal_within_and_across_mini_batches(kind):
     layer = _make(kind)
     x = torch.randn(1, 14, 16, generator=torch.Generator().manual_seed(4))

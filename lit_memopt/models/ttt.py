@@ -21,8 +21,10 @@ against a primal reference that steps the inner model with autograd.
 
 Memory: the scan over mini-batches stores each mini-batch's intermediates for backward (the
 44 GB-vs-20 GB problem of naive TTT training). ``checkpoint_group_size=g`` wraps every ``g``
-consecutive mini-batches in a non-reentrant ``torch.utils.checkpoint``: only the inner states at
-group boundaries are kept, the rest is recomputed in backward (gradients are bit-identical).
+consecutive mini-batches in a non-reentrant ``torch.utils.checkpoint``, and the whole layer (input
+norm, projections, learning-rate gate, the scan, output norm and projection) in one more: backward
+keeps only each layer's input, and recomputes the layer, one scan group at a time, when it gets
+there (the same ops run, so gradients are bit-identical).
 """
 
 from __future__ import annotations
@@ -263,10 +265,37 @@ class _TTTLayer(nn.Module):
         )
 
     # -- forward ---------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, C] -> [B, T, C]``; causal: output ``t`` depends on ``x[:, :t+1]`` only."""
+    def forward(self, x: torch.Tensor, input_norm: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``x [B, T, C] -> [B, T, C]``; causal: output ``t`` depends on ``x[:, :t+1]`` only.
+
+        ``input_norm`` (e.g. the block's pre-norm) is applied to ``x`` first: ``layer(x, norm)`` is
+        ``layer(norm(x))``, but with checkpointing on, the norm's activations are recomputed too.
+
+        With checkpointing on (a group size > 0 and autograd recording), the whole layer (input
+        norm, projections, learning-rate gate, the group-checkpointed scan, output norm and
+        projection) runs inside one more non-reentrant checkpoint, so backward keeps only ``x``
+        per layer; the scan's own group checkpoints bound the transient memory while this layer
+        is recomputed. The ops are the same as without checkpointing, so results and gradients
+        are bit-identical; the price is one more forward of the layer (the scan: two more).
+        """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"{type(self).__name__} expects [batch, seq, {self.hidden_size}], got {tuple(x.shape)}.")
+        B, T, _ = x.shape
+        n_full = T // self.mini_batch_size
+        # resolved once here so that the recomputation in backward uses the same groups ("auto"
+        # could otherwise answer differently once memory has changed)
+        group = self._group_size(n_full, B, x.device) if n_full else 0
+        if n_full:
+            self.last_group_size = group
+        if group > 0 and torch.is_grad_enabled():
+            return checkpoint(self._layer_forward, x, group, input_norm, use_reentrant=False)
+        return self._layer_forward(x, group, input_norm)
+
+    def _layer_forward(
+        self, x: torch.Tensor, group: int, input_norm: Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> torch.Tensor:
+        if input_norm is not None:
+            x = input_norm(x)
         B, T, _ = x.shape
         H, d, b = self.num_heads, self.head_dim, self.mini_batch_size
 
@@ -295,8 +324,6 @@ class _TTTLayer(nn.Module):
                 def mini_batches(t: torch.Tensor) -> torch.Tensor:
                     return t[:, :cut].reshape(B * H, n_full, b, *t.shape[2:])
 
-                group = self._group_size(n_full, B, x.device)
-                self.last_group_size = group
                 state, out = self._scan(
                     state, (mini_batches(q), mini_batches(k), mini_batches(v), mini_batches(lr)), norm, group
                 )
@@ -649,7 +676,7 @@ class TTTBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.conv is not None:
             x = x + self.conv(self.conv_norm(x))
-        x = x + self.ttt(self.seq_norm(x))
+        x = x + self.ttt(x, self.seq_norm)
         return x + self.mlp(self.ffn_norm(x))
 
 
@@ -761,7 +788,7 @@ class GatedTTT(nn.Module):
         self.gate = nn.Parameter(torch.full((layer.hidden_size,), float(gate_init)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.gate).to(x.dtype) * self.ttt(self.norm(x))
+        return x + torch.tanh(self.gate).to(x.dtype) * self.ttt(x, self.norm)
 
 
 class AttentionWithTTT(nn.Module):
