@@ -33,6 +33,11 @@ _MIN_TILE_ELEMENTS = 1 << 18
 _TILE_ALIGN = 128
 # On CUDA no tile may take more than this fraction of the currently free memory.
 _CUDA_FREE_FRACTION = 16
+# Backward walks the rows in super-blocks of this many row tiles, so its fp32 hidden-gradient
+# accumulator is [super-block, H] (a few tile budgets) instead of [N, H]. More row tiles per block
+# mean fewer re-casts of the weight tiles and fewer low-precision additions into a bf16/fp16 weight
+# gradient; fewer mean a smaller accumulator.
+_SUPER_BLOCK_ROW_TILES = 4
 
 
 @dataclass(frozen=True)
@@ -246,9 +251,10 @@ class _LinearHeadFunction(torch.autograd.Function):
     """Per-row statistics of ``softmax((hidden @ weight.T + bias) / T)`` without materializing the logits.
 
     Forward keeps, per row, the running max/sum of the softmax (hence logsumexp) and whatever
-    expectation each requested quantity needs; backward recomputes one logits tile at a time and
-    accumulates the hidden gradient (compute dtype, [N, H]) and the weight/bias gradient of one
-    vocab tile, which is written into the weight gradient before the next tile starts.
+    expectation each requested quantity needs; backward walks the rows in super-blocks of a few
+    row tiles and, per super-block, recomputes one logits tile at a time, accumulating the block's
+    hidden gradient (compute dtype, [block, H]) and the weight/bias gradient of one vocab tile,
+    which is added into the weight gradient before the next tile starts.
     """
 
     @staticmethod
@@ -415,82 +421,120 @@ class _LinearHeadFunction(torch.autograd.Function):
         needs_z_after_p = g_ent is not None or g_kl is not None
 
         ws = _Workspace(cdt, device)
-        grad_h = torch.zeros(hidden.shape, dtype=cdt, device=device) if need_h else None
+        # The hidden gradient is accumulated in the compute dtype one row super-block at a time and
+        # written into the output (hidden's dtype) when the block is done, so the fp32 accumulator
+        # never spans all N rows. With fp32 hidden states the output itself is the accumulator.
+        sb = rt * _SUPER_BLOCK_ROW_TILES
+        direct_gh = need_h and hidden.dtype == cdt
+        if need_h:
+            grad_h = torch.zeros(hidden.shape, dtype=cdt, device=device) if direct_gh else torch.empty_like(
+                hidden, memory_format=torch.contiguous_format
+            )
+        else:
+            grad_h = None
         # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out=.
         grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
         grad_b = torch.empty(bias.shape, dtype=bias.dtype, device=device) if need_b else None
+        # The bias gradient is only [V]: it is accumulated over every row in the compute dtype.
+        gb_acc = torch.zeros(vocab, dtype=cdt, device=device) if need_b else None
         direct_gw = need_w and weight.dtype == cdt
 
         with _NoAutocast(device.type), torch.no_grad():
-            for v0 in range(0, vocab, vt):
-                v1 = min(v0 + vt, vocab)
-                cols = v1 - v0
-                w = _cast_tile(ws, "w", weight[v0:v1], inv_t, vt * size)
-                b = _bias_tile(bias, v0, v1, inv_t, cdt)
-                if g_kl is not None:
-                    wr = _cast_tile(ws, "wr", ref_weight[v0:v1], inv_t, vt * ref_weight.shape[1])
-                    br = _bias_tile(ref_bias, v0, v1, inv_t, cdt)
-                gw_tile = None
-                if need_w:
-                    # fp32 weights: accumulate straight into the gradient; else into one fp32 tile
-                    gw_tile = grad_w[v0:v1] if direct_gw else ws.get("gw", cols, size, vt * size)
-                    if not single_row_tile:
-                        gw_tile.zero_()
-                gb_acc = torch.zeros(cols, dtype=cdt, device=device) if need_b else None
-                for r0 in range(0, n, rt):
-                    r1 = min(r0 + rt, n)
-                    rows = r1 - r0
-                    h = _cast_tile(ws, "h", hidden[r0:r1], 1.0, rt * hidden.shape[1])
-                    z = _logits_into(ws.get("z", rows, cols, tile_cap), h, w, b)
-                    # softmax probabilities of this tile; they become d out / d z in place
-                    if needs_z_after_p:
-                        coef = torch.sub(z, lse[r0:r1].unsqueeze(1), out=ws.get("p", rows, cols, tile_cap)).exp_()
-                    else:
-                        coef = z.sub_(lse[r0:r1].unsqueeze(1)).exp_()
-                    extra = None
+            for s0 in range(0, n, sb):
+                s1 = min(s0 + sb, n)
+                first_block = s0 == 0
+                single_row_tile = s1 - s0 <= rt
+                if direct_gh:
+                    gh_block = grad_h[s0:s1]
+                elif need_h:
+                    gh_block = ws.get("gh", s1 - s0, hidden.shape[1], min(sb, n) * hidden.shape[1]).zero_()
+                for v0 in range(0, vocab, vt):
+                    v1 = min(v0 + vt, vocab)
+                    cols = v1 - v0
+                    w = _cast_tile(ws, "w", weight[v0:v1], inv_t, vt * size)
+                    b = _bias_tile(bias, v0, v1, inv_t, cdt)
                     if g_kl is not None:
-                        hr = _cast_tile(ws, "hr", ref_hidden[r0:r1], 1.0, rt * ref_hidden.shape[1])
-                        zr = _logits_into(ws.get("zr", rows, cols, tile_cap), hr, wr, br)
-                        extra = zr.neg_().add_(z).sub_(mu_d[r0:r1].unsqueeze(1)).mul_(g_kl[r0:r1].unsqueeze(1))
-                    if g_ent is not None:
-                        # z becomes g_ent * (mu - z), reusing its storage
-                        z.sub_(mu[r0:r1].unsqueeze(1)).mul_(-g_ent[r0:r1].unsqueeze(1))
-                        extra = z if extra is None else extra.add_(z)
-                    if extra is not None:
-                        coef.mul_(extra.add_(alpha[r0:r1].unsqueeze(1)))
-                    else:
-                        coef.mul_(alpha[r0:r1].unsqueeze(1))
-                    if uniform is not None:
-                        coef.sub_(uniform[r0:r1].unsqueeze(1))
-                    if g_lp is not None:
-                        local = targets[r0:r1] - v0
-                        in_tile = (local >= 0) & (local < cols)
-                        coef.scatter_add_(
-                            1,
-                            local.clamp(0, cols - 1).unsqueeze(1),
-                            (g_lp[r0:r1] * in_tile.to(cdt)).unsqueeze(1),
-                        )
-                    # coef is d out / d z; z = (h W^T + b) / T and w already holds W / T.
-                    if need_h:
-                        grad_h[r0:r1].addmm_(coef, w)
+                        wr = _cast_tile(ws, "wr", ref_weight[v0:v1], inv_t, vt * ref_weight.shape[1])
+                        br = _bias_tile(ref_bias, v0, v1, inv_t, cdt)
+                    gw_tile = None
+                    # Whether this block's first row tile overwrites gw_tile (mm out=) or adds to it.
+                    overwrite_gw = False
                     if need_w:
-                        if single_row_tile:
-                            torch.mm(coef.t(), h, out=gw_tile)
+                        if direct_gw:
+                            # fp32 weights: accumulate straight into the gradient, across all blocks.
+                            gw_tile = grad_w[v0:v1]
+                            overwrite_gw = first_block
                         else:
-                            gw_tile.addmm_(coef.t(), h)
-                    if need_b:
-                        gb_acc += coef.sum(0)
-                if need_w:
-                    if inv_t != 1.0:
-                        gw_tile.mul_(inv_t)
-                    if not direct_gw:
-                        grad_w[v0:v1].copy_(gw_tile)
-                if need_b:
-                    grad_b[v0:v1].copy_(gb_acc.mul_(inv_t) if inv_t != 1.0 else gb_acc)
+                            # Low-precision weights: this block's contribution to the tile is summed
+                            # in fp32 and added into the gradient once per block (see below).
+                            gw_tile = ws.get("gw", cols, size, vt * size)
+                            overwrite_gw = True
+                        if overwrite_gw and not single_row_tile:
+                            gw_tile.zero_()
+                    for r0 in range(s0, s1, rt):
+                        r1 = min(r0 + rt, s1)
+                        rows = r1 - r0
+                        h = _cast_tile(ws, "h", hidden[r0:r1], 1.0, rt * hidden.shape[1])
+                        z = _logits_into(ws.get("z", rows, cols, tile_cap), h, w, b)
+                        # softmax probabilities of this tile; they become d out / d z in place
+                        if needs_z_after_p:
+                            coef = torch.sub(z, lse[r0:r1].unsqueeze(1), out=ws.get("p", rows, cols, tile_cap)).exp_()
+                        else:
+                            coef = z.sub_(lse[r0:r1].unsqueeze(1)).exp_()
+                        extra = None
+                        if g_kl is not None:
+                            hr = _cast_tile(ws, "hr", ref_hidden[r0:r1], 1.0, rt * ref_hidden.shape[1])
+                            zr = _logits_into(ws.get("zr", rows, cols, tile_cap), hr, wr, br)
+                            extra = zr.neg_().add_(z).sub_(mu_d[r0:r1].unsqueeze(1)).mul_(g_kl[r0:r1].unsqueeze(1))
+                        if g_ent is not None:
+                            # z becomes g_ent * (mu - z), reusing its storage
+                            z.sub_(mu[r0:r1].unsqueeze(1)).mul_(-g_ent[r0:r1].unsqueeze(1))
+                            extra = z if extra is None else extra.add_(z)
+                        if extra is not None:
+                            coef.mul_(extra.add_(alpha[r0:r1].unsqueeze(1)))
+                        else:
+                            coef.mul_(alpha[r0:r1].unsqueeze(1))
+                        if uniform is not None:
+                            coef.sub_(uniform[r0:r1].unsqueeze(1))
+                        if g_lp is not None:
+                            local = targets[r0:r1] - v0
+                            in_tile = (local >= 0) & (local < cols)
+                            coef.scatter_add_(
+                                1,
+                                local.clamp(0, cols - 1).unsqueeze(1),
+                                (g_lp[r0:r1] * in_tile.to(cdt)).unsqueeze(1),
+                            )
+                        # coef is d out / d z; z = (h W^T + b) / T and w already holds W / T.
+                        if need_h:
+                            gh_block[r0 - s0 : r1 - s0].addmm_(coef, w)
+                        if need_w:
+                            if overwrite_gw and single_row_tile:
+                                torch.mm(coef.t(), h, out=gw_tile)
+                            else:
+                                gw_tile.addmm_(coef.t(), h)
+                        if need_b:
+                            gb_acc[v0:v1] += coef.sum(0)
+                    if need_w and not direct_gw:
+                        if inv_t != 1.0:
+                            gw_tile.mul_(inv_t)
+                        # Precision trade-off: each block's fp32 tile sum is rounded once into the
+                        # bf16/fp16 gradient, so a call spanning k super-blocks accumulates the weight
+                        # gradient in the parameter dtype k times - exactly what gradient
+                        # accumulation over k micro-batches does. One block (small N) rounds once,
+                        # as an fp32 copy of the whole weight gradient is deliberately never made.
+                        # add_ computes in fp32 (type promotion) and rounds once per element.
+                        if first_block:
+                            grad_w[v0:v1].copy_(gw_tile)
+                        else:
+                            grad_w[v0:v1].add_(gw_tile)
+                if need_h and not direct_gh:
+                    grad_h[s0:s1].copy_(gh_block)
+            if direct_gw and inv_t != 1.0:
+                grad_w.mul_(inv_t)
+            if need_b:
+                grad_b.copy_(gb_acc.mul_(inv_t) if inv_t != 1.0 else gb_acc)
         del ws
 
-        if grad_h is not None:
-            grad_h = grad_h.to(hidden.dtype)
         return None, grad_h, grad_w, grad_b, None, None, None, None
 
 
