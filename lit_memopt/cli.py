@@ -224,8 +224,9 @@ def instantiate_run(cfg: Any) -> RunObjects:
         raise UsageError("the config has no 'module' section; pick a recipe with recipe=NAME.")
     model_config = instantiate(cfg.model)
     tokenizer = model_config.build_tokenizer()
-    datamodule = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer)
-    module = instantiate(cfg.module, _partial_=True)(model_config=model_config, tokenizer=tokenizer)
+    # _convert_="all": plain lists and dicts, so saved hyper-parameters load with torch.load(weights_only=True)
+    datamodule = instantiate(cfg.data, _partial_=True, _convert_="all")(tokenizer=tokenizer)
+    module = instantiate(cfg.module, _partial_=True, _convert_="all")(model_config=model_config, tokenizer=tokenizer)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     return RunObjects(model_config, tokenizer, datamodule, module, callbacks, logger)

@@ -18,8 +18,14 @@ SECRET_NAME = "LIT_MEMOPT_TEST_SECRET"
 SECRET_VALUE = "hunter2-do-not-leak"
 
 
+# Children the test process already had before this module (e.g. multiprocessing's resource
+# tracker started by an earlier test) are not the sandbox's doing.
+_PREEXISTING: set[int] = set()
+
+
 @pytest.fixture(scope="module")
 def sandbox():
+    _PREEXISTING.update(p.pid for p in psutil.Process().children(recursive=True))
     box = Sandbox(SandboxLimits(wall_time_s=2.0, cpu_time_s=1.0, memory_mb=256, file_size_mb=1,
                                 max_processes=8, max_output_chars=2000), max_workers=4)
     yield box
@@ -28,7 +34,7 @@ def sandbox():
 
 def _sandbox_processes(box: Sandbox) -> list[psutil.Process]:
     """Live processes this test could have left: children of the test process, or owned by a slot uid."""
-    left = [p for p in psutil.Process().children(recursive=True) if _alive(p)]
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in _PREEXISTING and _alive(p)]
     if box.isolation["uid"]:
         uids = {_child_uid(slot) for slot in range(box.max_workers)}
         for proc in psutil.process_iter(["uids"]):
