@@ -51,3 +51,21 @@ def test_bad_arguments_are_named() -> None:
         ModelConfig(name="t", arch={})
     with pytest.raises(FileNotFoundError, match="model.pretrained"):
         ModelConfig(name="t", arch=ARCH, pretrained="/nonexistent/ckpt").build_model()
+
+
+def test_fake_peak_counts_models_with_frozen_parameters() -> None:
+    """peak_during works on LoRA-style models (frozen base) and counts the same activations."""
+    from lit_memopt.memory import fake_mode, peak_during
+
+    def measure(freeze: bool) -> int:
+        with fake_mode():
+            net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+            if freeze:
+                net[0].weight.requires_grad_(False)
+            x = torch.randn(64, 256, requires_grad=True)
+            return peak_during(lambda: net(x).sum().backward(), net, x).extra_bytes
+
+    frozen, trainable = measure(True), measure(False)
+    # Freezing the first weight removes its gradient (1024 x 256 fp32) and nothing else: the peak
+    # drops, by no more than that gradient's size.
+    assert 0 < trainable - frozen <= 1024 * 256 * 4

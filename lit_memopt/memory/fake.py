@@ -57,6 +57,31 @@ class PeakStats:
         return self.extra_bytes / GIB
 
 
+class _NoopHandle:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_aware_tracker():
+    """A ``MemTracker`` that tolerates frozen parameters (LoRA bases, reference and reward models).
+
+    PyTorch's tracker installs a gradient hook on every parameter of every module it meets, which
+    raises on a parameter that does not require grad. Pre-registering no-op handles for those
+    parameters makes it skip them; their bytes still count as parameters.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                        self._param_to_grad_hook_handles[param] = (_NoopHandle(), _NoopHandle())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareMemTracker()
+
+
 def _total(snapshot: dict[torch.device, dict[Any, int]]) -> int:
     return sum(int(per_device.get("Total", 0)) for per_device in snapshot.values())
 
@@ -92,9 +117,7 @@ def peak_during(
                                 hidden, weight)
         print(stats.extra_gib)
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    tracker = _frozen_aware_tracker()
     if track:
         tracker.track_external(*track)
     with tracker:
