@@ -165,8 +165,11 @@ class BatchFit:
     probes: dict[int, int] = field(default_factory=dict)
 
 
-class EstimateError(RuntimeError):
-    """The step could not run under fake tensors (it reads tensor values, e.g. text generation)."""
+class EstimateError(ValueError):
+    """The step could not run under fake tensors (it reads tensor values, e.g. text generation).
+
+    A ``ValueError``: the command line reports it in one line, like a bad setting.
+    """
 
 
 # ============================================================================ the tracker
@@ -647,6 +650,15 @@ def estimate_peak(
                 _run_training_step(module, batch, optimizers, tracker, batch_idx)
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             raise _explain_value_dependence(exc, module) from exc
+        except (AssertionError, AttributeError, RuntimeError, TypeError) as exc:
+            if mode is None:
+                raise  # real tensors: the module's own error, unchanged
+            raise EstimateError(
+                f"estimate_peak: the training step of {type(module).__name__} failed on fake tensors outside a Trainer "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}). Steps that need "
+                "fit-time setup (a sandbox, trainer.datamodule) or generate text until an end-of-sequence token cannot "
+                "be estimated; set LIT_MEMOPT_DEBUG=1 for the traceback."
+            ) from exc
         seconds = time.perf_counter() - started
         peak_snapshot = tracker.get_tracker_snapshot("peak")
         state_bytes = _optimizer_state_bytes(optimizers)
@@ -1005,7 +1017,8 @@ def build_fake_module(module_factory: Callable[..., Any], model_config: Any, tok
     try:
         with fake_mode():
             return module_factory(model_config=model_config, tokenizer=tokenizer)
-    except (DataDependentOutputException, DynamicOutputShapeException):
+    except (DataDependentOutputException, DynamicOutputShapeException, RuntimeError):
+        # RuntimeError: peft cannot convert adapters it creates under fake tensors ("Couldn't swap")
         pass
     build_model = getattr(model_config, "build_model", None)
     if build_model is None:
@@ -1015,9 +1028,14 @@ def build_fake_module(module_factory: Callable[..., Any], model_config: Any, tok
     # Real and fake tensors then meet in one step: the mode turns the real ones into fakes on use.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
-    def fake_build_model(*args: Any, **kwargs: Any) -> Any:
+    def fake_build_model(*args: Any, apply_lora: bool = True, **kwargs: Any) -> Any:
+        lora = getattr(model_config, "lora", None)
         with mode:
-            return build_model(*args, **kwargs)
+            model = build_model(*args, apply_lora=apply_lora and not lora, **kwargs) if lora else build_model(*args, **kwargs)
+        if lora and apply_lora:
+            # Adapters are small: peft creates them with real tensors next to the fake base weights.
+            model = model_config.apply_lora(model)
+        return model
 
     proxy = copy.copy(model_config)
     object.__setattr__(proxy, "build_model", fake_build_model)
