@@ -112,7 +112,7 @@ def measure_fake(
     Measured with ``layers`` blocks (real widths, real sequence). Parameters, gradients and the
     activations each block saves are linear in the number of blocks (the embedding/head part is
     constant), so the ``config.num_layers`` value is extrapolated as ``m_a + (L - a) * (m_b - m_a) / (b - a)``.
-    With ``(0, 1)`` a transient that exists once (one recomputed group in backward) is counted
+    With ``(0, 1)`` a transient that exists once (one recomputed layer in backward) is counted
     ``L`` times, which overstates the checkpointed peak: the ratio is conservative.
     ``layers=(config.num_layers,)`` measures the full model directly instead. ``workers > 1``
     measures the points in parallel processes.
@@ -266,8 +266,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         + (
             f" The 12-layer values are extrapolated linearly from measurements at "
             f"{sorted({m['num_layers'] for m in fake['measured']})} blocks (0 = embedding + head only): parameters, gradients "
-            "and saved activations are linear in depth; a once-only transient (one recomputed group) is counted per block, "
-            "so the checkpointed peak is overstated and the ratio conservative."
+            "and saved activations are linear in depth; a once-only transient (one TTT layer recomputed in backward, its scan one group "
+            "at a time) is counted per block, "
+            "which overstates the checkpointed peak, but where in the step the peak falls can change with depth, so "
+            "linearity is not guaranteed (see the 2-block cross-check below when present)."
             if extrapolated
             else ""
         ),
@@ -307,6 +309,23 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"repetitions: plain {real['step_s']['plain']:.3f} s, checkpointed (group {real['time_group']}) "
         f"{real['step_s']['checkpointed']:.3f} s.",
         "",
+    ]
+    check = result.get("cross_check")
+    if check:
+        lines += [
+            "## Cross-check: 2 blocks measured (125M widths, same shape)",
+            "",
+            check["note"],
+            "",
+            "| checkpoint_group_size | blocks | peak GiB | extra GiB |",
+            "|---:|---:|---:|---:|",
+            *(
+                f"| {m['checkpoint_group_size']} | {m['num_layers']} | {_gib(m['peak_bytes'])} | {_gib(m['extra_bytes'])} |"
+                for m in check["measured"]
+            ),
+            "",
+        ]
+    lines += [
         "## Summary",
         "",
         f"- 125M peak ratio (group {fake['chosen_group']}): **{summary['fake_125m_peak_ratio']:.3f}** "
