@@ -44,6 +44,10 @@ _LOSS_WEIGHTINGS = ("samples", "tokens", "none")
 _MAX_BACKOFF_EXPONENT = 10
 
 
+# Share of free memory kept in reserve when sizing the first micro-batch from an estimate.
+DEFAULT_ESTIMATE_MARGIN = 0.1
+
+
 class OOMRecoveryError(RuntimeError):
     """Training cannot go on: an out-of-memory error that ``OOMRecovery`` could not recover from."""
 
@@ -89,8 +93,10 @@ class OOMRecovery(Callback):
     a failed attempt keeps that update.
 
     Args:
-        initial_micro_batch_size: micro-batch size to start with (an int), or ``None`` to start with
-            the whole batch. Restored from a checkpoint on resume.
+        initial_micro_batch_size: micro-batch size to start with (an int), ``None`` to start with
+            the whole batch, or ``"estimate"``: on the first batch, the largest micro-batch whose step
+            a fake-tensor estimate (``lit_memopt.memory.estimate``) fits in the device's free memory
+            with a 10% margin, the smallest over ranks. Restored from a checkpoint on resume.
         min_micro_batch_size: the smallest size tried; an OOM at this size ends training.
         max_micro_batch_size: the largest size growth goes to (``None``: the whole batch).
         shrink: ``"halve"`` (``ceil(m / 2)``) or ``"divisor"`` (the next smaller divisor of the batch
@@ -182,14 +188,15 @@ class OOMRecovery(Callback):
         self.log_metrics = log_metrics
 
         # --- state that survives a restart (state_dict) ---
-        self.micro_batch_size: int | None = initial_micro_batch_size  # None: the whole batch
+        # None: the whole batch ("estimate" is resolved on the first batch)
+        self.micro_batch_size: int | None = initial_micro_batch_size if isinstance(initial_micro_batch_size, int) else None
         self.oom_events = 0
         self.events: list[dict[str, Any]] = []  # one per OOM seen (recovered or not)
         self.history: list[dict[str, Any]] = []  # one per micro-batch size change
         self._clean_batches = 0
         self._grow_failures = 0
         self._grow_wait = grow_after_steps or 0
-        self._initial_resolved = initial_micro_batch_size is not None
+        self._initial_resolved = initial_micro_batch_size is None or isinstance(initial_micro_batch_size, int)
 
         # --- per-run wiring ---
         self._module: LightningModule | None = None
@@ -212,10 +219,12 @@ class OOMRecovery(Callback):
 
     @staticmethod
     def _validate_initial(value: Any) -> None:
-        # The hook for a later "estimate" mode: accepted values are checked here only.
-        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if value is None or value == "estimate" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return
-        raise ValueError(f"OOMRecovery: initial_micro_batch_size must be None (whole batch) or an int >= 1, got {value!r}")
+        raise ValueError(
+            "OOMRecovery: initial_micro_batch_size must be None (whole batch), an int >= 1, or 'estimate' "
+            f"(sized from a fake-tensor estimate of the step and the device's free memory), got {value!r}"
+        )
 
     # ================================================================== Lightning hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -445,8 +454,31 @@ class OOMRecovery(Callback):
         return int(self.batch_size_fn(batch)) if self.batch_size_fn is not None else infer_batch_size(batch)
 
     def _resolve_initial_micro_batch_size(self, trainer: Trainer, module: LightningModule, batch: Any, batch_size: int) -> int | None:
-        """The size the first batch starts with. A later "estimate" mode plugs in here."""
-        return self.initial_micro_batch_size
+        """The size the first batch starts with; ``"estimate"`` sizes it from a fake-tensor estimate.
+
+        Every rank estimates its own batch against its own free memory; the ranks then agree on the
+        smallest result, so that they all start from the same size.
+        """
+        if self.initial_micro_batch_size != "estimate":
+            return self.initial_micro_batch_size
+        from lit_memopt.memory.estimate import EstimateError, initial_micro_batch_from_estimate
+
+        try:
+            size = initial_micro_batch_from_estimate(trainer, module, batch, self._free_bytes(module), DEFAULT_ESTIMATE_MARGIN)
+        except EstimateError as exc:
+            rank_zero_warn(f"OOMRecovery: initial_micro_batch_size='estimate' cannot size this step ({exc}); starting with the whole batch.")
+            size = batch_size
+        (negated,) = self._agree.max(-int(size))
+        size = max(self.min_micro_batch_size, min(-negated, batch_size))
+        rank_zero_info(f"OOMRecovery: estimated starting micro-batch size {size} of {batch_size}")
+        return None if size >= batch_size else size
+
+    @staticmethod
+    def _free_bytes(module: LightningModule) -> int:
+        """Memory free on the module's device now (CUDA: free device memory; CPU: available RAM)."""
+        from lit_memopt.memory.stats import memory_snapshot
+
+        return int(memory_snapshot(module.device).free_bytes)
 
     def _params(self, module: LightningModule) -> list[torch.nn.Parameter]:
         return [p for p in module.parameters() if p.requires_grad]
