@@ -209,11 +209,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"whole batch in one backward {'met' if mem['target_met_whole_batch'] else 'NOT met'}; "
         f"per micro-batch of one prompt's group {'met' if mem['target_met_per_micro_batch'] else 'NOT met'}.",
         "",
-        "In one call over the whole batch the fused op keeps an fp32 accumulator of the hidden-state gradient "
-        "([rows, hidden], twice the bf16 gradient) on top of the gradients themselves, so the whole-batch row grows "
-        "with the batch; split by prompt group (the OOMRecovery callback, or smaller loader batches with "
-        "accumulate_grad_batches), each backward needs only the per-micro-batch row, and each micro-batch's "
-        "hidden-state gradient is consumed by the decoder's backward before the next one starts.",
+        "The fused op's backward walks rows in super-blocks, so its fp32 hidden-gradient accumulator is bounded by a "
+        "few row tiles rather than [rows, hidden]; what grows with the batch is the hidden-state gradient itself "
+        "(in the inputs' dtype). Split by prompt group (the OOMRecovery callback, or smaller loader batches with "
+        "accumulate_grad_batches), each backward needs only the per-micro-batch row.",
     ]
     t = result["time_cpu"]
     ts = t["shape"]

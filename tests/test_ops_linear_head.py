@@ -436,3 +436,16 @@ def test_many_row_super_blocks_match_reference(name, dtype):
     for g_got, g_want, t in zip(got, want, [t for t in inputs if t is not None]):
         assert g_got.dtype == t.dtype and g_got.shape == t.shape
         torch.testing.assert_close(g_got.float(), g_want.float(), **tol)
+
+
+def test_bf16_weight_with_temperature_is_scaled_in_fp32() -> None:
+    """With a bf16 head and temperature != 1, W / T must not be rounded to bf16 before the fp32 maths."""
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 32).bfloat16()
+    weight = torch.randn(300, 32).bfloat16()
+    from lit_memopt.ops import linear_entropy
+
+    got = linear_entropy(hidden, weight, temperature=0.7, chunk_size=(16, 64))
+    z = (hidden.double() @ weight.double().T) / 0.7
+    want = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
