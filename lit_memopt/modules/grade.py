@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lit_memopt.models.hf import ModelConfig, decoder_of, lm_head_weight
+from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
 from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax
 from lit_memopt.rewards.grade_reward import build_rule_reward_model, sequence_reward
@@ -495,9 +496,7 @@ class GradeModule(pl.LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not params:
             raise ValueError("GradeModule: the policy has no trainable parameters (check model.lora).")
-        optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas)
+        return adamw_with_warmup(
+            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas,
+            warmup_steps=self.hparams.warmup_steps,
         )
-        warmup = max(1, int(self.hparams.warmup_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memopt.models import lm_head_weight
+from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.rollout import (
     Rollout,
     scatter_response,
@@ -271,10 +272,10 @@ class IntuitorModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas))
-        warmup = max(1, int(self.hparams.warmup_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup(
+            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas,
+            warmup_steps=self.hparams.warmup_steps,
+        )
 
 
 def _check(ok: bool, name: str, value: Any, accepted: str) -> None:

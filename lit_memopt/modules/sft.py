@@ -9,6 +9,7 @@ import torch
 
 from lit_memopt.models.hf import ModelConfig, decoder_hidden_states, lm_head_weight
 from lit_memopt.ops import linear_logprobs
+from lit_memopt.modules._optim import adamw_with_warmup
 
 
 def next_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +92,7 @@ class SFTModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=tuple(self.hparams.betas))
-        warmup = max(1, int(self.hparams.warmup_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup(
+            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas,
+            warmup_steps=self.hparams.warmup_steps,
+        )
