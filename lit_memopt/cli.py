@@ -78,6 +78,24 @@ def register_recipes() -> None:
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
+def compose_config(overrides: Sequence[str] = ()) -> Any:
+    """The composed config for ``overrides`` (e.g. ``["recipe=grade", "trainer.max_steps=5"]``), as the CLI sees it.
+
+    For tests and notebooks: pass the result to :func:`instantiate_run`. Hydra's run-time values
+    (``${hydra:...}``) stay unresolved outside a ``lit-memopt`` run.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_recipes()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
 # ----------------------------------------------------------------------------- help
 def format_help() -> str:
     lines = [
@@ -131,8 +149,6 @@ def _closest(name: str, choices: Sequence[str]) -> str:
 
 def check_overrides(overrides: Sequence[str]) -> None:
     """Fail with one clear line on an unknown recipe, group option or key, before anything runs."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -163,19 +179,13 @@ def check_overrides(overrides: Sequence[str]) -> None:
             text = override.input_line if not override.is_sweep_override() else f"{prefix}{key}={first}"
             plain.append(text)
 
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            compose(config_name="config", overrides=plain)
+        compose_config(plain)
     except (HydraException, OmegaConfBaseException) as exc:
         raise UsageError(_explain_compose_error(exc, plain)) from None
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def _explain_compose_error(exc: Exception, overrides: Sequence[str]) -> str:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     message = str(exc)
@@ -185,16 +195,12 @@ def _explain_compose_error(exc: Exception, overrides: Sequence[str]) -> str:
         parent, _, leaf = full_key.rpartition(".")
         # list the keys that do exist at the parent level, from the config without the bad override
         good = [o for o in overrides if not o.lstrip("+~").startswith(full_key)]
-        GlobalHydra.instance().clear()
         try:
-            with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-                cfg = compose(config_name="config", overrides=good)
+            cfg = compose_config(good)
             node = OmegaConf.select(cfg, parent) if parent else cfg
             keys = sorted(str(k) for k in node.keys()) if node is not None and hasattr(node, "keys") else []
         except Exception:  # noqa: BLE001 - the listing is a courtesy; the first error is what matters
             keys = []
-        finally:
-            GlobalHydra.instance().clear()
         where = f"under '{parent}'" if parent else "at the top level"
         hint = f"; keys {where}: {', '.join(keys)}" if keys else ""
         return f"unknown key '{full_key}'{_closest(leaf, keys)}{hint} (use +{full_key}=VALUE to add a new key)"

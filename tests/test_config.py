@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from lit_memopt import cli
@@ -14,9 +12,7 @@ GROUPS = cli.list_groups()
 
 
 def _compose(overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(cli.conf_dir()), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+    return cli.compose_config(overrides)
 
 
 def test_groups_and_recipes_are_discovered() -> None:

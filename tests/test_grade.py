@@ -232,22 +232,16 @@ def test_prompt_datamodule_left_pads_and_is_deterministic(tokenizer) -> None:
 # ---------------------------------------------------------------------------- the embedded recipe
 def test_embedded_recipe_reward_rises(tmp_path: Path) -> None:
     import lightning.pytorch as pl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     from lit_memopt import cli
 
-    cli.register_recipes()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(cli.conf_dir()), version_base=None):
-        # The recipe as shipped, with shorter generations so that the test stays fast.
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "recipe=grade", "data.num_prompts=64", "data.batch_size=8", "module.max_new_tokens=8",
-                f"logger.save_dir={tmp_path}",
-            ],
-        )
+    # The recipe as shipped, with shorter generations so that the test stays fast.
+    cfg = cli.compose_config(
+        [
+            "recipe=grade", "data.num_prompts=64", "data.batch_size=8", "module.max_new_tokens=8",
+            f"logger.save_dir={tmp_path}",
+        ]
+    )
     pl.seed_everything(0)
     objects = cli.instantiate_run(cfg)
     module = objects.module

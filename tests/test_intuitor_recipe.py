@@ -22,22 +22,16 @@ def _one_thread():
 
 def test_embedded_recipe_self_certainty_rises(tmp_path: Path) -> None:
     import lightning.pytorch as pl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     from lit_memopt import cli
 
-    cli.register_recipes()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(cli.conf_dir()), version_base=None):
-        # The recipe as shipped (tiny_qwen3, byte tokenizer), with smaller groups and shorter responses for speed.
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "recipe=intuitor", "data.batch_size=2", "module.num_samples=4", "module.max_new_tokens=8",
-                f"logger.save_dir={tmp_path}",
-            ],
-        )
+    # The recipe as shipped (tiny_qwen3, byte tokenizer), with smaller groups and shorter responses for speed.
+    cfg = cli.compose_config(
+        [
+            "recipe=intuitor", "data.batch_size=2", "module.num_samples=4", "module.max_new_tokens=8",
+            f"logger.save_dir={tmp_path}",
+        ]
+    )
     pl.seed_everything(0)
     objects = cli.instantiate_run(cfg)
     module = objects.module
