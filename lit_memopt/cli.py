@@ -343,8 +343,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     try:
         if command == "benchmark":
-            from benchmarks.__main__ import main as benchmark_main  # type: ignore[import-not-found]
-
+            try:
+                from benchmarks.__main__ import main as benchmark_main  # type: ignore[import-not-found]
+            except ModuleNotFoundError as exc:
+                if exc.name not in ("benchmarks", "benchmarks.__main__"):
+                    raise
+                raise UsageError(
+                    "the benchmarks live in the source repository, not in the wheel: run `lit-memopt benchmark` "
+                    "(or `python -m benchmarks`) from a checkout installed with `pip install -e .`"
+                ) from None
             return int(benchmark_main(rest) or 0)
         if command not in HYDRA_COMMANDS:
             hint = " (overrides go after a command: lit-memopt fit recipe=sft)" if "=" in command else ""

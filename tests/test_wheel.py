@@ -59,3 +59,7 @@ def test_wheel_installs_and_runs_a_recipe(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert list((elsewhere / "outputs" / "sft").rglob("last.ckpt")), "no checkpoint in the run directory"
+
+    # The benchmarks stay in the repository: from a wheel the command says so in one line.
+    bench = subprocess.run([str(script), "benchmark", "--list"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 2 and "source repository" in bench.stderr and "Traceback" not in bench.stderr
