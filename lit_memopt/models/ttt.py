@@ -359,19 +359,22 @@ class _TTTLayer(nn.Module):
 
         def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             st = tuple(tensors[:n_state])
-            q, k, v, eta, eta_qk, norm_w, norm_b = tensors[n_state:]
+            norm_w, norm_b = tensors[-2:]
             outs = []
-            for i in range(q.shape[1]):
-                st, z_bar = self._mini_batch_step(st, q[:, i], k[:, i], v[:, i], eta[:, i], eta_qk[:, i], norm_w, norm_b)
+            # unbind, not q[:, i]: its backward stacks the mini-batch gradients once, where one
+            # select per mini-batch would write a full-size zero gradient each (quadratic in n)
+            for q_i, k_i, v_i, eta_i, eta_qk_i in zip(*(t.unbind(1) for t in tensors[n_state:-2])):
+                st, z_bar = self._mini_batch_step(st, q_i, k_i, v_i, eta_i, eta_qk_i, norm_w, norm_b)
                 # output rule o_i = q_i + LN(f(q_i; W_i))
-                outs.append(q[:, i] + _layer_norm(z_bar, norm_w, norm_b))
+                outs.append(q_i + _layer_norm(z_bar, norm_w, norm_b))
             return (*st, torch.stack(outs, dim=1))
 
         use_checkpoint = group > 0 and torch.is_grad_enabled()
         step = group if use_checkpoint else n
         outputs = []
-        for first in range(0, n, step):
-            args = (*state, *(t[:, first : first + step] for t in (q, k, v, eta, eta_qk)), *norm)
+        # split (one backward for all groups), not t[:, a:b] (a full-size zero gradient per group)
+        for group_inputs in zip(*(t.split(step, dim=1) for t in (q, k, v, eta, eta_qk))):
+            args = (*state, *group_inputs, *norm)
             result = checkpoint(run, *args, use_reentrant=False) if use_checkpoint else run(*args)
             state = tuple(result[:n_state])
             outputs.append(result[n_state])
