@@ -116,12 +116,18 @@ def test_scan_checkpointing_gives_identical_gradients(kind):
     plain = _make(kind)
     ref_out = plain(x)
     ref = _grads(plain, x, plain)
-    for group in (1, 3):  # 4 full mini-batches: groups of one, and groups of 3 + 1
+    # 4 full mini-batches: groups of one, groups of 3 + 1, and the whole layer in one recomputation
+    for group in (1, 3, 4, 100):
         layer = _make(kind, checkpoint_group_size=group)
         assert torch.equal(layer(x), ref_out)
         got = _grads(layer, x, layer)
         for name in ref:
             assert torch.equal(got[name], ref[name]), (group, name)
+        # the input also feeding something outside the layer (a residual): still bit-identical
+        got = _grads(layer, x, lambda t: 2 * t + layer(t))
+        want = _grads(plain, x, lambda t: 2 * t + plain(t))
+        for name in want:
+            assert torch.equal(got[name], want[name]), (group, name, "residual")
 
 
 def test_scan_checkpointing_saves_fewer_tensors():
@@ -158,7 +164,7 @@ def test_layer_checkpointing_with_input_norm_gives_identical_gradients(kind):
     ref_norm = norm.weight.grad.clone()
     norm.zero_grad(set_to_none=True)
     assert torch.equal(plain(x, norm), ref_out)
-    for group in (1, 3):
+    for group in (1, 3, 4):
         layer = _make(kind, checkpoint_group_size=group)
         assert torch.equal(layer(x, norm), ref_out)
         got = _grads(layer, x, lambda t: layer(t, norm))
@@ -206,7 +212,7 @@ def test_checkpointed_model_gives_identical_gradients():
         return out, {n: p.grad for n, p in model.named_parameters()}
 
     ref_out, ref = run(0)
-    for group in (1, 2):
+    for group in (1, 2, 5):  # 5 full mini-batches of 4 (+ a remainder of 2): 5 is the whole layer
         out, got = run(group)
         assert torch.equal(out, ref_out)
         for name in ref:
@@ -261,9 +267,13 @@ def test_bf16_autocast_runs_inner_loop_in_float32():
 
 def test_auto_group_size_follows_available_memory():
     kw = dict(num_mini_batches=128, mini_batch_bytes=1000, state_bytes=4000, num_layers=4)
+    # budget 1/4 of free: all 4 layers' scans need 512 kB, one layer's 128 kB
     assert auto_checkpoint_group_size(**kw, available_bytes=10**9) == 0  # everything fits: no recompute
-    g = auto_checkpoint_group_size(**kw, available_bytes=10**5)
-    assert g == round((4 * 128 * 4000 / 1000) ** 0.5)
+    assert auto_checkpoint_group_size(**kw, available_bytes=2_048_000) == 0
+    assert auto_checkpoint_group_size(**kw, available_bytes=2_047_999) == 128  # one layer at a time, one pass
+    assert auto_checkpoint_group_size(**kw, available_bytes=512_000) == 128
+    g = auto_checkpoint_group_size(**kw, available_bytes=511_999)  # grouped recomputation of the scan
+    assert g == round((128 * 4000 / 1000) ** 0.5)
     assert auto_checkpoint_group_size(**kw, available_bytes=0) == g
     layer = TTTLinear(16, 2, mini_batch_size=4, checkpoint_group_size="auto")
     layer(torch.randn(1, 16, 16))

@@ -20,11 +20,15 @@ the per-token ``W_i``: with ``G = dl/dZ`` at ``W0`` and ``E[i, j] = s_i * lr_j``
 against a primal reference that steps the inner model with autograd.
 
 Memory: the scan over mini-batches stores each mini-batch's intermediates for backward (the
-44 GB-vs-20 GB problem of naive TTT training). ``checkpoint_group_size=g`` wraps every ``g``
-consecutive mini-batches in a non-reentrant ``torch.utils.checkpoint``, and the whole layer (input
-norm, projections, learning-rate gate, the scan, output norm and projection) in one more: backward
-keeps only each layer's input, and recomputes the layer, one scan group at a time, when it gets
-there (the same ops run, so gradients are bit-identical).
+44 GB-vs-20 GB problem of naive TTT training). With ``checkpoint_group_size=g > 0`` the whole layer
+(input norm, projections, learning-rate gate, the scan, output norm and projection) runs without
+recording a graph and backward keeps only its input; when backward reaches the layer it runs it
+again, recording, and back-propagates through that. The recomputation is bounded by ``g``: with
+``g`` smaller than the number of mini-batches ``n``, the recomputed scan is itself checkpointed
+every ``g`` mini-batches (non-reentrant ``torch.utils.checkpoint``), so at most ``g`` mini-batches'
+intermediates are alive at once, for one more scan forward; with ``g >= n`` the layer is recomputed
+in one pass (fastest; one layer's scan intermediates alive while its backward runs). The same ops
+run in the same order, so outputs and gradients are bit-identical to the plain layer.
 """
 
 from __future__ import annotations
@@ -61,20 +65,21 @@ _INNER_LN_EPS = 1e-6
 # ----------------------------------------------------------------------------------------------
 
 
-def _layer_norm(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    var, mean = torch.var_mean(z, dim=-1, keepdim=True, correction=0)
-    return torch.addcmul(bias, (z - mean) * torch.rsqrt(var + _INNER_LN_EPS), weight)
+def _normalize(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z_hat, rstd)`` of a LayerNorm over the last dim. Written as mean / centred square mean:
+    ``torch.var_mean`` is several times slower on the CPU for these short rows."""
+    centred = z - z.mean(dim=-1, keepdim=True)
+    rstd = torch.rsqrt((centred * centred).mean(dim=-1, keepdim=True) + _INNER_LN_EPS)
+    return centred * rstd, rstd
 
 
-def _layer_norm_l2_grad(z: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``d/dz 0.5 * ||LN(z) - target||^2`` row by row (LayerNorm's backward written out)."""
-    var, mean = torch.var_mean(z, dim=-1, keepdim=True, correction=0)
-    rstd = torch.rsqrt(var + _INNER_LN_EPS)
-    z_hat = (z - mean) * rstd
-    grad_hat = torch.addcmul(bias - target, z_hat, weight) * weight
-    return rstd * (
-        grad_hat - grad_hat.mean(dim=-1, keepdim=True) - z_hat * (grad_hat * z_hat).mean(dim=-1, keepdim=True)
-    )
+def _layer_norm_l2_grad(z: torch.Tensor, bias_minus_target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``d/dz 0.5 * ||LN(z) - target||^2`` row by row (LayerNorm's backward written out), for a
+    LayerNorm with ``weight`` and ``bias``; takes ``bias - target``, computed once per scan."""
+    z_hat, rstd = _normalize(z)
+    grad_hat = torch.addcmul(bias_minus_target, z_hat, weight) * weight
+    projection = torch.addcmul(grad_hat.mean(dim=-1, keepdim=True), z_hat, (grad_hat * z_hat).mean(dim=-1, keepdim=True))
+    return rstd * (grad_hat - projection)
 
 
 def _gelu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -121,11 +126,13 @@ def auto_checkpoint_group_size(
 
     Without checkpointing, backward needs ``num_layers * num_mini_batches * mini_batch_bytes`` of
     saved scan intermediates. If that fits into ``budget_fraction`` of the free memory, return 0
-    (no checkpointing: no recomputation). Otherwise checkpoint: with group size ``g`` the saved bytes
-    are about ``num_layers * (n / g) * state_bytes`` (states at group boundaries) plus
-    ``g * mini_batch_bytes`` (one group recomputed at a time in backward), smallest at
-    ``g = sqrt(num_layers * n * state_bytes / mini_batch_bytes)``; that ``g`` is returned (at least 1).
-    The recomputation costs one extra scan forward whatever ``g`` is, so only memory decides.
+    (no checkpointing: no recomputation).
+    Checkpointing keeps only each layer's input for backward and recomputes one layer at a time.
+    If one layer's whole scan (``num_mini_batches * mini_batch_bytes``) fits into the budget, return
+    ``num_mini_batches``: the layer is recomputed in one pass (the fastest checkpointed setting).
+    Otherwise the recomputed scan is itself checkpointed in groups of ``g`` mini-batches: backward
+    holds ``n / g`` boundary states plus one group, ``(n / g) * state_bytes + g * mini_batch_bytes``,
+    smallest at ``g = sqrt(n * state_bytes / mini_batch_bytes)``; that ``g`` is returned (at least 1).
 
     Free memory comes from ``lit_memopt.memory.memory_snapshot(device).free_bytes`` when that
     exists, else ``torch.cuda.mem_get_info`` / ``psutil``; when nothing can be measured the
@@ -156,7 +163,9 @@ def auto_checkpoint_group_size(
     needed = num_layers * num_mini_batches * mini_batch_bytes
     if free is not None and needed <= budget_fraction * free:
         return 0
-    best = math.sqrt(num_layers * num_mini_batches * state_bytes / max(mini_batch_bytes, 1))
+    if free is not None and num_mini_batches * mini_batch_bytes <= budget_fraction * free:
+        return num_mini_batches
+    best = math.sqrt(num_mini_batches * state_bytes / max(mini_batch_bytes, 1))
     return int(min(max(round(best), 1), num_mini_batches))
 
 
@@ -217,22 +226,31 @@ class _TTTLayer(nn.Module):
             nn.init.normal_(proj.weight, std=initializer_range)
 
     # -- subclasses --------------------------------------------------------------------------
-    def _mini_batch_step(
+    def _step_inputs(
         self,
-        state: tuple[torch.Tensor, ...],
+        *,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
         eta: torch.Tensor,
-        eta_qk: torch.Tensor,
-        norm_w: torch.Tensor,
-        norm_b: torch.Tensor,
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """One inner step on a mini-batch of ``m`` tokens (all tensors ``[batch * heads, ...]``).
+        eta_mix: torch.Tensor,
+        last: torch.Tensor,
+        bias_minus_target: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """The state-independent tensors ``_mini_batch_step`` takes, for all mini-batches at once.
 
-        ``eta`` is ``E [m, m]``, ``eta_qk`` is ``E * Q K^T``; returns the state after the last
-        token and ``f(q_i; W_i)`` for every token (before the output LayerNorm).
+        All are ``[batch * heads, n, ...]``: queries and keys ``[.., m, d]``, ``eta = E [.., m, m]``,
+        ``eta_mix = E * Q K^T + E``, ``last`` (the last row of ``E``, ``[.., 1, m]``) and the inner
+        LayerNorm's ``bias - target``. Mini-batch ``i`` of each is passed to the step in order.
         """
+        raise NotImplementedError
+
+    def _mini_batch_step(
+        self, state: tuple[torch.Tensor, ...], *inputs: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """One inner step on a mini-batch of ``m`` tokens (all tensors ``[batch * heads, ...]``):
+        takes the state, one mini-batch of each of ``_step_inputs`` and the inner LayerNorm weight;
+        returns the state after the last token and ``f(q_i; W_i)`` for every token (before the
+        output LayerNorm)."""
         raise NotImplementedError
 
     def _saved_floats_per_mini_batch(self, b: int) -> int:
@@ -272,11 +290,14 @@ class _TTTLayer(nn.Module):
         ``layer(norm(x))``, but with checkpointing on, the norm's activations are recomputed too.
 
         With checkpointing on (a group size > 0 and autograd recording), the whole layer (input
-        norm, projections, learning-rate gate, the group-checkpointed scan, output norm and
-        projection) runs inside one more non-reentrant checkpoint, so backward keeps only ``x``
-        per layer; the scan's own group checkpoints bound the transient memory while this layer
-        is recomputed. The ops are the same as without checkpointing, so results and gradients
-        are bit-identical; the price is one more forward of the layer (the scan: two more).
+        norm, projections, learning-rate gate, scan, output norm and projection) runs without
+        recording a graph and backward keeps only ``x``; backward runs the layer again, recording,
+        and back-propagates through it (see the module docstring for what the group size bounds).
+        The ops are the same as without checkpointing, so results and gradients are
+        bit-identical; the price is one more forward of the layer, plus one more of the scan when
+        the group size is below the number of mini-batches. ``input_norm`` is recomputed with the
+        layer when it is an ``nn.Module`` (its parameters get their gradients); any other callable
+        is applied outside the checkpoint.
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"{type(self).__name__} expects [batch, seq, {self.hidden_size}], got {tuple(x.shape)}.")
@@ -288,12 +309,20 @@ class _TTTLayer(nn.Module):
         if n_full:
             self.last_group_size = group
         if group > 0 and torch.is_grad_enabled():
-            return checkpoint(self._layer_forward, x, group, input_norm, use_reentrant=False)
+            if input_norm is not None and not isinstance(input_norm, nn.Module):
+                x, input_norm = input_norm(x), None
+            params = tuple(p for m in (self, input_norm) if m is not None for p in m.parameters() if p.requires_grad)
+            if x.requires_grad or params:
+                return _RecomputedLayer.apply(self, input_norm, group, x, *params)
         return self._layer_forward(x, group, input_norm)
 
     def _layer_forward(
         self, x: torch.Tensor, group: int, input_norm: Callable[[torch.Tensor], torch.Tensor] | None
     ) -> torch.Tensor:
+        # One op (a view) between the input and its consumers in here (the norm may use it twice),
+        # so that their gradients reach ``x`` as one sum whether the layer is recomputed or not:
+        # the same additions in the same order, so bit-identical gradients.
+        x = x.view_as(x)
         if input_norm is not None:
             x = input_norm(x)
         B, T, _ = x.shape
@@ -346,35 +375,43 @@ class _TTTLayer(nn.Module):
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Step through mini-batches ``inputs[i][:, j]`` (each ``[BH, m, ...]``) in order.
 
-        With ``group > 0`` (and autograd recording), every ``group`` consecutive mini-batches run
-        inside one non-reentrant checkpoint: backward keeps only the states between groups.
+        With ``0 < group < n`` (and autograd recording), every ``group`` consecutive mini-batches
+        run inside one non-reentrant checkpoint: backward keeps only the states between groups.
         """
         q, k, v, lr = inputs
-        n, m = q.shape[1], q.shape[2]
+        n, m, d = q.shape[1], q.shape[2], q.shape[3]
         n_state = len(state)
-        # State-independent parts for all mini-batches at once, outside the checkpointed groups, so
-        # the graph (and the gradients, bit for bit) does not depend on the group size.
-        eta = torch.tril(self.token_scale(m, lr.dtype)[:, None] * lr.unsqueeze(-2))
-        eta_qk = eta * torch.matmul(q, k.transpose(-1, -2))
+        norm_w, norm_b = norm
+        # Everything that does not depend on the inner state, for all mini-batches at once (one op
+        # each instead of one per mini-batch), outside the checkpointed groups so that the graph,
+        # and the gradients bit for bit, do not depend on the group size.
+        eta = torch.tril(self.token_scale(m, lr.dtype)[:, None] * lr.unsqueeze(-2))  # E [BH, n, m, m]
+        per_mini_batch = self._step_inputs(
+            q=q,
+            k=k,
+            eta=eta,
+            eta_mix=torch.addcmul(eta, eta, torch.matmul(q, k.transpose(-1, -2))),  # E * Q K^T + E
+            last=eta[:, :, -1:, :],  # [BH, n, 1, m]: the last token's row gives the next state
+            bias_minus_target=norm_b.unsqueeze(1) - (v - k),  # target v - k (reconstruction)
+        )
+        out_base = q + norm_b.unsqueeze(1)  # o_i = q_i + LN(z_bar_i) = (q_i + b) + w * z_hat_i
 
         def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             st = tuple(tensors[:n_state])
-            norm_w, norm_b = tensors[-2:]
             outs = []
-            # unbind, not q[:, i]: its backward stacks the mini-batch gradients once, where one
+            # unbind, not t[:, i]: its backward stacks the mini-batch gradients once, where one
             # select per mini-batch would write a full-size zero gradient each (quadratic in n)
-            for q_i, k_i, v_i, eta_i, eta_qk_i in zip(*(t.unbind(1) for t in tensors[n_state:-2])):
-                st, z_bar = self._mini_batch_step(st, q_i, k_i, v_i, eta_i, eta_qk_i, norm_w, norm_b)
-                # output rule o_i = q_i + LN(f(q_i; W_i))
-                outs.append(q_i + _layer_norm(z_bar, norm_w, norm_b))
+            for base_i, *step_i in zip(*(t.unbind(1) for t in tensors[n_state:])):
+                st, z_bar = self._mini_batch_step(st, *step_i, norm_w)
+                outs.append(torch.addcmul(base_i, F.layer_norm(z_bar, (d,), eps=_INNER_LN_EPS), norm_w))
             return (*st, torch.stack(outs, dim=1))
 
-        use_checkpoint = group > 0 and torch.is_grad_enabled()
+        use_checkpoint = 0 < group < n and torch.is_grad_enabled()
         step = group if use_checkpoint else n
         outputs = []
         # split (one backward for all groups), not t[:, a:b] (a full-size zero gradient per group)
-        for group_inputs in zip(*(t.split(step, dim=1) for t in (q, k, v, eta, eta_qk))):
-            args = (*state, *group_inputs, *norm)
+        for group_inputs in zip(*(t.split(step, dim=1) for t in (out_base, *per_mini_batch))):
+            args = (*state, *group_inputs)
             result = checkpoint(run, *args, use_reentrant=False) if use_checkpoint else run(*args)
             state = tuple(result[:n_state])
             outputs.append(result[n_state])
@@ -385,6 +422,45 @@ class _TTTLayer(nn.Module):
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, mini_batch_size={self.mini_batch_size}, "
             f"base_lr={self.base_lr}, checkpoint_group_size={self.checkpoint_group_size!r}"
         )
+
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    """The caller's autocast setting for ``device_type``, to re-enter it in backward."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return {"device_type": device_type if torch.amp.is_autocast_available(device_type) else "cpu", "enabled": False}
+    return {"device_type": device_type, "dtype": torch.get_autocast_dtype(device_type), "enabled": True}
+
+
+class _RecomputedLayer(torch.autograd.Function):
+    """Whole-layer activation checkpointing of a TTT layer, without saved-tensor hooks.
+
+    Forward runs the layer without recording (autograd functions' forwards never record) and saves
+    only the input. Backward runs ``layer._layer_forward`` again with autograd on (under the
+    forward's autocast setting), then ``torch.autograd.grad`` of that with the incoming gradient,
+    with respect to the input and the parameters passed in; the recomputation builds the same graph
+    the plain layer builds, so the gradients are bit-identical. Compared with wrapping the layer in
+    ``torch.utils.checkpoint`` this skips a Python hook per saved tensor and records nothing
+    in forward.
+    """
+
+    @staticmethod
+    def forward(ctx, layer: "_TTTLayer", input_norm: nn.Module | None, group: int, x: torch.Tensor, *params: torch.Tensor):
+        ctx.layer, ctx.input_norm, ctx.group, ctx.params = layer, input_norm, group, params
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.save_for_backward(x)
+        return layer._layer_forward(x, group, input_norm)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        x = x.detach().requires_grad_(needs[0])
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            out = ctx.layer._layer_forward(x, ctx.group, ctx.input_norm)
+        wanted = [t for t, need in zip((x, *ctx.params), needs) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (None, None, None, *(next(grads) if need else None for need in needs))
 
 
 def _check_group_size(value: int | str) -> int | str:
@@ -432,15 +508,18 @@ class TTTLinear(_TTTLayer):
         d = self.head_dim
         return 24 * b * d + 3 * b * b + d * d
 
-    def _mini_batch_step(self, state, q, k, v, eta, eta_qk, norm_w, norm_b):
+    def _step_inputs(self, *, q, k, eta, eta_mix, last, bias_minus_target):
+        last_k = (last.transpose(-1, -2) * k).transpose(-1, -2)  # [BH, n, d, m]: (last * K)^T
+        return q, k, eta_mix, last_k, last, bias_minus_target
+
+    def _mini_batch_step(self, state, q, k, eta_mix, last_k, last, bias_minus_target, norm_w):
         W, bias = state
         z = torch.baddbmm(bias, k, W)
-        grad = _layer_norm_l2_grad(z, v - k, norm_w, norm_b)
+        grad = _layer_norm_l2_grad(z, bias_minus_target, norm_w)
         # dual form: Z_bar = Q W0 - (E * Q K^T) G + b0 - E G
-        z_bar = torch.baddbmm(bias, q, W) - torch.bmm(eta_qk + eta, grad)
-        last = eta[:, -1, :].unsqueeze(-1)  # the last token's row gives the state for the next mini-batch
-        W_next = W - torch.bmm((last * k).transpose(-1, -2), grad)
-        b_next = bias - torch.bmm(last.transpose(-1, -2), grad)
+        z_bar = torch.baddbmm(bias, q, W) - torch.bmm(eta_mix, grad)
+        W_next = W - torch.bmm(last_k, grad)
+        b_next = bias - torch.bmm(last, grad)
         return (W_next, b_next), z_bar
 
 
@@ -481,23 +560,26 @@ class TTTMLP(_TTTLayer):
         d, m = self.head_dim, self.expansion * self.head_dim
         return 16 * b * d + 14 * b * m + 6 * b * b + 2 * d * m
 
-    def _mini_batch_step(self, state, q, k, v, eta, eta_qk, norm_w, norm_b):
+    def _step_inputs(self, *, q, k, eta, eta_mix, last, bias_minus_target):
+        last_k = (last.transpose(-1, -2) * k).transpose(-1, -2)  # [BH, n, d, m]: (last * K)^T
+        return q, k, eta, eta_mix, last_k, last, bias_minus_target
+
+    def _mini_batch_step(self, state, q, k, eta, eta_mix, last_k, last, bias_minus_target, norm_w):
         W1, b1, W2, b2 = state
         z1 = torch.baddbmm(b1, k, W1)
         x2 = F.gelu(z1)
         z2 = torch.baddbmm(b2, x2, W2)
-        grad2 = _layer_norm_l2_grad(z2, v - k, norm_w, norm_b)
+        grad2 = _layer_norm_l2_grad(z2, bias_minus_target, norm_w)
         grad1 = torch.bmm(grad2, W2.transpose(-1, -2)) * _gelu_grad(z1)
         # dual form, layer by layer: the second layer's "keys" are x2, its "queries" x2_bar
-        z1_bar = torch.baddbmm(b1, q, W1) - torch.bmm(eta_qk + eta, grad1)
+        z1_bar = torch.baddbmm(b1, q, W1) - torch.bmm(eta_mix, grad1)
         x2_bar = F.gelu(z1_bar)
-        eta_x2 = eta * torch.bmm(x2_bar, x2.transpose(-1, -2))
-        z2_bar = torch.baddbmm(b2, x2_bar, W2) - torch.bmm(eta_x2 + eta, grad2)
-        last = eta[:, -1, :].unsqueeze(-1)
-        W1_next = W1 - torch.bmm((last * k).transpose(-1, -2), grad1)
-        b1_next = b1 - torch.bmm(last.transpose(-1, -2), grad1)
-        W2_next = W2 - torch.bmm((last * x2).transpose(-1, -2), grad2)
-        b2_next = b2 - torch.bmm(last.transpose(-1, -2), grad2)
+        eta_x2 = torch.addcmul(eta, eta, torch.bmm(x2_bar, x2.transpose(-1, -2)))  # E * X2_bar X2^T + E
+        z2_bar = torch.baddbmm(b2, x2_bar, W2) - torch.bmm(eta_x2, grad2)
+        W1_next = W1 - torch.bmm(last_k, grad1)
+        b1_next = b1 - torch.bmm(last, grad1)
+        W2_next = W2 - torch.bmm((last.transpose(-1, -2) * x2).transpose(-1, -2), grad2)
+        b2_next = b2 - torch.bmm(last, grad2)
         return (W1_next, b1_next, W2_next, b2_next), z2_bar
 
 
