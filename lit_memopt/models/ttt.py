@@ -40,7 +40,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "TTTLinear",
@@ -395,24 +394,28 @@ class _TTTLayer(nn.Module):
             bias_minus_target=norm_b.unsqueeze(1) - (v - k),  # target v - k (reconstruction)
         )
         out_base = q + norm_b.unsqueeze(1)  # o_i = q_i + LN(z_bar_i) = (q_i + b) + w * z_hat_i
+        # The LayerNorm weight expanded over mini-batches and handed to each step like the tensors
+        # above: its gradient is stacked per mini-batch and summed over them by one reduction, in
+        # the same order with or without group checkpointing (bit-identical gradients).
+        weights = norm_w.unsqueeze(1).expand(-1, n, -1, -1)
 
         def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             st = tuple(tensors[:n_state])
             outs = []
             # unbind, not t[:, i]: its backward stacks the mini-batch gradients once, where one
             # select per mini-batch would write a full-size zero gradient each (quadratic in n)
-            for base_i, *step_i in zip(*(t.unbind(1) for t in tensors[n_state:])):
-                st, z_bar = self._mini_batch_step(st, *step_i, norm_w)
-                outs.append(torch.addcmul(base_i, F.layer_norm(z_bar, (d,), eps=_INNER_LN_EPS), norm_w))
+            for base_i, weight, *step_i in zip(*(t.unbind(1) for t in tensors[n_state:])):
+                st, z_bar = self._mini_batch_step(st, *step_i, weight)
+                outs.append(torch.addcmul(base_i, F.layer_norm(z_bar, (d,), eps=_INNER_LN_EPS), weight))
             return (*st, torch.stack(outs, dim=1))
 
-        use_checkpoint = 0 < group < n and torch.is_grad_enabled()
-        step = group if use_checkpoint else n
+        grouped = 0 < group < n and torch.is_grad_enabled()
+        step = group if grouped else n
         outputs = []
         # split (one backward for all groups), not t[:, a:b] (a full-size zero gradient per group)
-        for group_inputs in zip(*(t.split(step, dim=1) for t in (out_base, *per_mini_batch))):
+        for group_inputs in zip(*(t.split(step, dim=1) for t in (out_base, weights, *per_mini_batch))):
             args = (*state, *group_inputs)
-            result = checkpoint(run, *args, use_reentrant=False) if use_checkpoint else run(*args)
+            result = _RecomputedGroup.apply(run, *args) if grouped else run(*args)
             state = tuple(result[:n_state])
             outputs.append(result[n_state])
         return state, outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -461,6 +464,36 @@ class _RecomputedLayer(torch.autograd.Function):
         wanted = [t for t, need in zip((x, *ctx.params), needs) if need]
         grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
         return (None, None, None, *(next(grads) if need else None for need in needs))
+
+
+class _RecomputedGroup(torch.autograd.Function):
+    """Checkpoint of one group of scan steps: forward keeps only the group's inputs (the state it
+    starts from and its slices of the per-mini-batch tensors); backward runs the group again,
+    recording, and returns ``torch.autograd.grad`` of it. Same ops, same graph, so gradients are
+    bit-identical to the unchecked scan (the scan hands every shared tensor to the steps as a
+    per-mini-batch slice, so nothing is summed across groups in a different order)."""
+
+    @staticmethod
+    def forward(ctx, run: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor):
+        ctx.run = run
+        ctx.autocast = _autocast_state(tensors[0].device.type)
+        ctx.set_materialize_grads(False)  # an unused final state gets no gradient, as without checkpointing
+        ctx.save_for_backward(*tensors)
+        return run(*tensors)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None):
+        needs = ctx.needs_input_grad[1:]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            outputs = ctx.run(*inputs)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        wanted = [t for t in inputs if t.requires_grad]
+        if not pairs or not wanted:
+            return (None, *(None for _ in inputs))
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+        return (None, *(next(got) if t.requires_grad else None for t in inputs))
 
 
 def _check_group_size(value: int | str) -> int | str:
