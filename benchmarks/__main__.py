@@ -153,25 +153,25 @@ def _rows_intuitor(result: dict[str, Any], module: Any) -> list[dict[str, Any]]:
 
 def _rows_ttt(result: dict[str, Any], module: Any) -> list[dict[str, Any]]:
     out = []
-    fake = result.get("memory_fake", {})
-    rows = fake.get("rows", [])
-    chosen = next((r for r in rows if r.get("checkpoint_group_size") == fake.get("chosen_group")), None)
     summary = result.get("summary", {})
-    if rows and chosen:
+    fake = result.get("memory_fake", {})
+    by_mode = {r.get("mode"): r for r in fake.get("rows", [])}
+    if "plain" in by_mode and "layer" in by_mode:
         shape = fake.get("shape", {})
-        out.append(row("ttt", f"TTT-125M step, scan checkpointing (group {fake.get('chosen_group')}): peak, fake tensors "
-                              f"({shape.get('batch')}×{shape.get('seq_len')})",
-                       rows[0].get("peak_bytes"), chosen.get("peak_bytes"), "bytes", ratio=chosen.get("peak_ratio"),
+        layer = by_mode["layer"]
+        out.append(row("ttt", f"TTT-125M step, whole-layer checkpointing: peak, fake tensors ({shape.get('batch')}×{shape.get('seq_len')})",
+                       by_mode["plain"].get("peak_bytes"), layer.get("peak_bytes"), "bytes", ratio=layer.get("peak_ratio"),
                        target=_target_le(result.get("memory_target")), passed=summary.get("memory_target_met"),
-                       baseline_label="plain scan"))
-    real = result.get("real_cpu", {})
-    rrows = real.get("rows", [])
-    if len(rrows) >= 2:
-        out.append(row("ttt", "tiny TTT step, scan checkpointing: peak, real CPU tensors", rrows[0].get("peak_bytes"),
-                       rrows[1].get("peak_bytes"), "bytes", ratio=rrows[1].get("peak_ratio"), baseline_label="plain scan"))
-        out.append(row("ttt", "tiny TTT step, scan checkpointing: CPU time", rrows[0].get("step_s"), rrows[1].get("step_s"), "s",
-                       ratio=real.get("time_ratio"), target=_target_le(result.get("time_target")),
-                       passed=summary.get("time_target_met"), baseline_label="plain scan"))
+                       baseline_label="plain layer"))
+    for key, label, target in (("real_cpu_125m", "TTT-125M", True), ("real_cpu", "tiny TTT", False)):
+        real = result.get(key, {})
+        step = real.get("step_s", {})
+        if "plain" in step and "layer" in step:
+            shape = real.get("time_shape", {})
+            out.append(row("ttt", f"{label} step, whole-layer checkpointing: CPU time ({shape.get('batch')}×{shape.get('seq_len')})",
+                           step["plain"], step["layer"], "s", ratio=real.get("time_ratio", {}).get("layer"),
+                           target=_target_le(result.get("time_target")) if target else "",
+                           passed=summary.get("time_target_met") if target else None, baseline_label="plain layer"))
     return out
 
 

@@ -2,8 +2,13 @@
 
 * Fake tensors (no memory, no GPU): the 125M TTT-Linear configuration (``conf/model/ttt_125m.yaml``)
   at sequence 2048, forward + backward of the next-token loss, peaks from ``MemTracker``.
-* Real tensors on the CPU: the tiny model (``conf/model/ttt_tiny.yaml`` widths) at a longer
-  sequence, peak live-tensor bytes from ``MemTracker`` and the step-time ratio, interleaved in one run.
+* Real tensors on the CPU, the 125M configuration at one sequence of 2048 and the tiny model
+  (``conf/model/ttt_tiny.yaml`` widths): peak live-tensor bytes from ``MemTracker``, gradients
+  compared bit for bit, and step-time ratios, the modes interleaved in one run.
+
+Three modes: no checkpointing; the whole TTT layer recomputed in backward in one pass
+(``checkpoint_group_size`` = mini-batches per layer); and the whole layer recomputed with its scan
+in checkpointed groups (the memory-minimum group size ``auto`` picks when memory is short).
 
 Writes ``benchmarks/results/ttt_cpu[_quick].{md,json}``. Run ``python benchmarks/ttt.py [--quick]``
 or call :func:`run`.
@@ -39,11 +44,16 @@ CONFIG_125M = dict(
     intermediate_size=2048, layer_type="linear", mini_batch_size=16,
 )
 # Fake tensors cost milliseconds of Python per op and the scan is 128 sequential mini-batches per
-# layer, so by default the 12-layer step is measured at 0 (embedding + head) and 1 block and
-# extrapolated linearly (see measure_fake); --full measures all 12 blocks.
+# layer, so by default the 12-layer step is measured at 1 and 2 blocks and extrapolated linearly
+# (see measure_fake); --full measures all 12 blocks.
 FAKE_SHAPE = {"batch": 4, "seq_len": 2048}
 FAKE_SHAPE_QUICK = {"batch": 4, "seq_len": 512}
-FAKE_LAYERS = (0, 1)
+FAKE_LAYERS = (1, 2)
+# Real tensors at the 125M configuration: memory at the fake-tensor shape (about 12 GiB and 100 s
+# a step on one core), time at one sequence of 2048 (about 25 s a step).
+REAL_125M_MEMORY_SHAPE = FAKE_SHAPE
+REAL_125M_TIME_SHAPE = {"batch": 1, "seq_len": 2048}
+REAL_125M_SHAPE_QUICK = {"batch": 1, "seq_len": 256}
 CONFIG_TINY = dict(
     name="ttt_tiny", vocab_size=384, hidden_size=64, num_layers=2, num_heads=4,
     intermediate_size=128, layer_type="linear", mini_batch_size=8,
@@ -51,6 +61,13 @@ CONFIG_TINY = dict(
 REAL_MEMORY_SHAPE = {"batch": 8, "seq_len": 256}
 REAL_TIME_SHAPE = {"batch": 8, "seq_len": 1024}
 REAL_TIME_SHAPE_QUICK = {"batch": 8, "seq_len": 256}
+
+MODES = ("plain", "layer", "grouped")
+MODE_TEXT = {
+    "plain": "no checkpointing",
+    "layer": "whole layer recomputed in one pass (group size = mini-batches per layer)",
+    "grouped": "whole layer recomputed, its scan in checkpointed groups (the memory-minimum group size)",
+}
 
 
 def _train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
@@ -76,6 +93,11 @@ def memory_saving_group(config: TTTConfig, batch: int, seq_len: int) -> int:
     )
 
 
+def mode_groups(config: TTTConfig, batch: int, seq_len: int) -> dict[str, int]:
+    """``checkpoint_group_size`` of each mode in :data:`MODES` at this shape."""
+    return {"plain": 0, "layer": seq_len // config.mini_batch_size, "grouped": memory_saving_group(config, batch, seq_len)}
+
+
 def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int, num_layers: int) -> dict[str, int]:
     """Fake-tensor peaks of one training step with ``num_layers`` blocks (0: embedding + head only)."""
     with fake_mode():
@@ -94,30 +116,30 @@ def _fake_peaks(config: TTTConfig, shape: dict[str, int], group: int, num_layers
     }
 
 
-def _fake_point(args: tuple[dict[str, Any], dict[str, int], int, int]) -> dict[str, Any]:
-    config, shape, group, layers = args
+def _fake_point(args: tuple[dict[str, Any], dict[str, int], str, int, int]) -> dict[str, Any]:
+    config, shape, mode, group, layers = args
     torch.set_num_threads(1)
-    return {"checkpoint_group_size": group, "num_layers": layers, **_fake_peaks(TTTConfig(**config), shape, group, layers)}
+    peaks = _fake_peaks(TTTConfig(**config), shape, group, layers)
+    return {"mode": mode, "checkpoint_group_size": group, "num_layers": layers, **peaks}
 
 
 def measure_fake(
     config: TTTConfig,
     shape: dict[str, int],
-    groups: list[int],
+    groups: dict[str, int],
     layers: tuple[int, ...] = FAKE_LAYERS,
     workers: int = 1,
 ) -> dict[str, Any]:
-    """Fake-tensor peaks of forward + backward for each ``checkpoint_group_size``.
+    """Fake-tensor peaks of forward + backward for each mode (``{mode: checkpoint_group_size}``).
 
     Measured with ``layers`` blocks (real widths, real sequence). Parameters, gradients and the
-    activations each block saves are linear in the number of blocks (the embedding/head part is
-    constant), so the ``config.num_layers`` value is extrapolated as ``m_a + (L - a) * (m_b - m_a) / (b - a)``.
-    With ``(0, 1)`` a transient that exists once (one recomputed layer in backward) is counted
-    ``L`` times, which overstates the checkpointed peak: the ratio is conservative.
-    ``layers=(config.num_layers,)`` measures the full model directly instead. ``workers > 1``
-    measures the points in parallel processes.
+    activations each block saves are linear in the number of blocks, and the transient of the one
+    layer being recomputed in backward is there once whatever the depth, so the
+    ``config.num_layers`` value is extrapolated as ``m_a + (L - a) * (m_b - m_a) / (b - a)`` from two
+    depths that both have that transient (``a, b >= 1``). ``layers=(config.num_layers,)`` measures
+    the full model directly instead. ``workers > 1`` measures the points in parallel processes.
     """
-    jobs = [(vars(config), shape, group, n) for group in groups for n in layers]
+    jobs = [(vars(config), shape, mode, group, n) for mode, group in groups.items() for n in layers]
     if workers > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -127,14 +149,14 @@ def measure_fake(
     else:
         measured = [_fake_point(job) for job in jobs]
     rows = []
-    for group in groups:
-        points = {r["num_layers"]: r for r in measured if r["checkpoint_group_size"] == group}
+    for mode, group in groups.items():
+        points = {r["num_layers"]: r for r in measured if r["mode"] == mode}
         if config.num_layers in points:
             row = dict(points[config.num_layers])
             row["extrapolated"] = False
         else:
             lo, hi = sorted(points)[:2]
-            row = {"checkpoint_group_size": group, "num_layers": config.num_layers, "extrapolated": True}
+            row = {"mode": mode, "checkpoint_group_size": group, "num_layers": config.num_layers, "extrapolated": True}
             for key in ("parameters", "peak_bytes", "extra_bytes", "activation_bytes"):
                 per_layer = (points[hi][key] - points[lo][key]) / (hi - lo)
                 row[key] = int(round(points[lo][key] + (config.num_layers - lo) * per_layer))
@@ -150,53 +172,87 @@ def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def measure_real(config: TTTConfig, memory_shape: dict[str, int], time_shape: dict[str, int], group: int, reps: int) -> dict[str, Any]:
-    """Real CPU tensors: MemTracker peaks, exact-gradient check and interleaved step times."""
+class _NoTTT(torch.nn.Module):
+    """Stands in for a TTT layer to measure the rest of the model: output 0 (through autograd)."""
+
+    def forward(self, x: torch.Tensor, input_norm: Any = None) -> torch.Tensor:
+        return x * 0.0
+
+
+def _floor_peak(model: torch.nn.Module, input_ids: torch.Tensor) -> Any:
+    """MemTracker peak of the same step with every TTT layer replaced by :class:`_NoTTT`: what the
+    embedding, convolutions, MLPs and head need whatever the TTT layers do (the floor of any
+    TTT checkpointing)."""
+    layers = [block.ttt for block in model.layers]
+    for block in model.layers:
+        block.ttt = _NoTTT()
+    try:
+        return peak_during(lambda: _train_step(model, input_ids), model)
+    finally:
+        for block, layer in zip(model.layers, layers):
+            block.ttt = layer
+        model.zero_grad(set_to_none=True)
+
+
+def measure_real(
+    config: TTTConfig, memory_shape: dict[str, int], time_shape: dict[str, int], reps: int
+) -> dict[str, Any]:
+    """Real CPU tensors: MemTracker peaks and gradients of each mode at ``memory_shape`` (gradients
+    compared bit for bit with the plain mode), the same step without TTT layers (the floor), then
+    step times at ``time_shape``, the modes interleaved in every repetition so that machine load
+    hits them alike."""
     torch.manual_seed(0)
     model = config.build_model()
     input_ids = torch.randint(0, config.vocab_size, (memory_shape["batch"], memory_shape["seq_len"]))
-    rows = []
-    grads = []
-    for g in (0, group):
-        _set_group(model, g)
+    groups = mode_groups(config, **memory_shape)
+    rows, reference, identical = [], None, True
+    for mode, group in groups.items():
+        _set_group(model, group)
         stats = peak_during(lambda: _train_step(model, input_ids), model)
-        grads.append([p.grad.clone() for p in model.parameters()])
+        grads = [p.grad for p in model.parameters()]
+        if reference is None:
+            reference = grads
+        else:
+            identical = identical and all(torch.equal(a, b) for a, b in zip(reference, grads))
         model.zero_grad(set_to_none=True)
-        rows.append({"checkpoint_group_size": g, "peak_bytes": stats.peak_bytes, "extra_bytes": stats.extra_bytes})
+        rows.append({"mode": mode, "checkpoint_group_size": group, "peak_bytes": stats.peak_bytes, "extra_bytes": stats.extra_bytes})
     rows = _with_ratios(rows)
-    identical = all(torch.equal(a, b) for a, b in zip(*grads))
-    del grads
+    del reference, grads
+    floor = _floor_peak(model, input_ids)
+    floor_row = {"peak_bytes": floor.peak_bytes, "extra_bytes": floor.extra_bytes}
+    floor_row["peak_ratio"] = floor.peak_bytes / rows[0]["peak_bytes"]
+    floor_row["extra_ratio"] = floor.extra_bytes / rows[0]["extra_bytes"]
     input_ids = torch.randint(0, config.vocab_size, (time_shape["batch"], time_shape["seq_len"]))
-    time_group = memory_saving_group(config, **time_shape)
-    times: dict[int, list[float]] = {0: [], time_group: []}
-    for g in times:  # warm-up
-        _set_group(model, g)
+    time_groups = mode_groups(config, **time_shape)
+    times: dict[str, list[float]] = {mode: [] for mode in time_groups}
+    for mode, group in time_groups.items():  # warm-up
+        _set_group(model, group)
         _train_step(model, input_ids)
         model.zero_grad(set_to_none=True)
     for _ in range(reps):
-        for g in times:  # interleaved, so that machine load hits both alike
-            _set_group(model, g)
+        for mode, group in time_groups.items():
+            _set_group(model, group)
             gc.collect()
             start = time.perf_counter()
             _train_step(model, input_ids)
-            times[g].append(time.perf_counter() - start)
+            times[mode].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
-    plain, ckpt = statistics.median(times[0]), statistics.median(times[time_group])
-    rows[0]["step_s"], rows[1]["step_s"] = plain, ckpt  # timed at time_shape, see "time_shape"
+    step_s = {mode: statistics.median(t) for mode, t in times.items()}
     return {
         "memory_shape": memory_shape,
         "time_shape": time_shape,
         "rows": rows,
+        "floor": floor_row,
         "gradients_identical": identical,
-        "time_group": time_group,
-        "step_s": {"plain": plain, "checkpointed": ckpt},
-        "time_ratio": ckpt / plain,
+        "time_groups": time_groups,
+        "step_s": step_s,
+        "time_ratio": {mode: step_s[mode] / step_s["plain"] for mode in step_s},
         "reps": reps,
     }
 
 
 def run(quick: bool = False, write: bool = True, full: bool = False, workers: int = 1) -> dict[str, Any]:
-    """Run both measurements; write ``results/ttt_cpu[_quick].{md,json}`` and return the data.
+    """Run the measurements; write ``results/ttt_cpu[_quick].{md,json}`` and return the data.
 
     ``full=True`` measures the 12-layer model under fake tensors directly (slow: ~10^5 fake ops);
     ``workers`` runs the fake measurements in that many processes.
@@ -204,10 +260,15 @@ def run(quick: bool = False, write: bool = True, full: bool = False, workers: in
     fake_shape = FAKE_SHAPE_QUICK if quick else FAKE_SHAPE
     big = TTTConfig(**CONFIG_125M)
     tiny = TTTConfig(**CONFIG_TINY)
-    big_group = memory_saving_group(big, **fake_shape)
-    tiny_group = memory_saving_group(tiny, **REAL_MEMORY_SHAPE)
-    fake = measure_fake(big, fake_shape, [0, big_group], layers=(big.num_layers,) if full else FAKE_LAYERS, workers=workers)
-    real = measure_real(tiny, REAL_MEMORY_SHAPE, REAL_TIME_SHAPE_QUICK if quick else REAL_TIME_SHAPE, tiny_group, reps=3 if quick else 7)
+    fake_groups = mode_groups(big, **fake_shape)
+    fake = measure_fake(big, fake_shape, fake_groups, layers=(big.num_layers,) if full else FAKE_LAYERS, workers=workers)
+    real_big = measure_real(
+        big,
+        REAL_125M_SHAPE_QUICK if quick else REAL_125M_MEMORY_SHAPE,
+        REAL_125M_SHAPE_QUICK if quick else REAL_125M_TIME_SHAPE,
+        reps=2 if quick else 3,
+    )
+    real = measure_real(tiny, REAL_MEMORY_SHAPE, REAL_TIME_SHAPE_QUICK if quick else REAL_TIME_SHAPE, reps=3 if quick else 7)
     result: dict[str, Any] = {
         "benchmark": "ttt",
         "quick": quick,
@@ -217,18 +278,24 @@ def run(quick: bool = False, write: bool = True, full: bool = False, workers: in
         "device": "cpu",
         "memory_target": MEMORY_TARGET,
         "time_target": TIME_TARGET,
-        "memory_fake": {"config": CONFIG_125M, "shape": fake_shape, "dtype": "float32", "chosen_group": big_group, **fake},
-        "real_cpu": {"config": CONFIG_TINY, "dtype": "float32", "chosen_group": tiny_group, **real},
+        "memory_fake": {"config": CONFIG_125M, "shape": fake_shape, "dtype": "float32", "groups": fake_groups, **fake},
+        "real_cpu_125m": {"config": CONFIG_125M, "dtype": "float32", **real_big},
+        "real_cpu": {"config": CONFIG_TINY, "dtype": "float32", **real},
     }
-    chosen = result["memory_fake"]["rows"][1]
+    by_mode = {r["mode"]: r for r in fake["rows"]}
     result["summary"] = {
-        "fake_125m_peak_ratio": chosen["peak_ratio"],
-        "fake_125m_extra_ratio": chosen["extra_ratio"],
-        "real_tiny_peak_ratio": real["rows"][1]["peak_ratio"],
-        "real_tiny_extra_ratio": real["rows"][1]["extra_ratio"],
-        "cpu_time_ratio": real["time_ratio"],
-        "memory_target_met": chosen["peak_ratio"] <= MEMORY_TARGET,
-        "time_target_met": real["time_ratio"] <= TIME_TARGET,
+        "fake_125m_peak_ratio": {m: by_mode[m]["peak_ratio"] for m in MODES},
+        "fake_125m_extra_ratio": {m: by_mode[m]["extra_ratio"] for m in MODES},
+        "real_125m_peak_ratio": {r["mode"]: r["peak_ratio"] for r in real_big["rows"]},
+        "real_125m_floor_ratio": real_big["floor"]["peak_ratio"],
+        "real_tiny_floor_ratio": real["floor"]["peak_ratio"],
+        "real_125m_time_ratio": real_big["time_ratio"],
+        "real_tiny_peak_ratio": {r["mode"]: r["peak_ratio"] for r in real["rows"]},
+        "real_tiny_time_ratio": real["time_ratio"],
+        "gradients_identical": real["gradients_identical"] and real_big["gradients_identical"],
+        # the targets, checked on the 125M configuration with the whole-layer recomputation
+        "memory_target_met": by_mode["layer"]["peak_ratio"] <= MEMORY_TARGET,
+        "time_target_met": real_big["time_ratio"]["layer"] <= TIME_TARGET,
     }
     if write:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -247,93 +314,105 @@ def _mib(n: int) -> str:
     return f"{n / 1024**2:.1f}"
 
 
-def to_markdown(result: dict[str, Any]) -> str:
-    fake, real, summary = result["memory_fake"], result["real_cpu"], result["summary"]
-    extrapolated = fake["rows"][0]["extrapolated"]
+def _real_section(title: str, real: dict[str, Any], size: Any) -> list[str]:
+    ms, ts = real["memory_shape"], real["time_shape"]
     lines = [
-        "# TTT: scan checkpointing vs the plain scan",
+        f"## {title}",
+        "",
+        f"Peak live tensor bytes (MemTracker, real tensors) at batch {ms['batch']} x sequence {ms['seq_len']}; step time "
+        f"(forward + backward) at batch {ts['batch']} x sequence {ts['seq_len']}, median of {real['reps']} repetitions, the "
+        f"modes interleaved. Gradients bit-identical to the plain mode in every mode: {real['gradients_identical']}.",
+        "",
+        f"| mode | checkpoint_group_size | peak {size} | extra {size} | peak ratio | extra ratio | step s | time ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    fmt = _mib if size == "MiB" else _gib
+    for r in real["rows"]:
+        mode = r["mode"]
+        lines.append(
+            f"| {mode} | {r['checkpoint_group_size']} / {real['time_groups'][mode]} | {fmt(r['peak_bytes'])} | "
+            f"{fmt(r['extra_bytes'])} | {r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} | {real['step_s'][mode]:.3f} | "
+            f"**{real['time_ratio'][mode]:.3f}** |"
+        )
+    f = real["floor"]
+    lines.append(
+        f"| floor: TTT layers replaced by a zero | | {fmt(f['peak_bytes'])} | {fmt(f['extra_bytes'])} | "
+        f"{f['peak_ratio']:.3f} | {f['extra_ratio']:.3f} | | |"
+    )
+    lines += [
+        "",
+        "(group sizes: at the memory shape / at the time shape. The floor is the same step with the TTT layers "
+        "replaced by a zero output: what the embedding, convolutions, MLPs and head need, which no TTT "
+        "checkpointing can go below.)",
+        "",
+    ]
+    return lines
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    fake, summary = result["memory_fake"], result["summary"]
+    extrapolated = fake["rows"][0]["extrapolated"]
+    n_mb = fake["shape"]["seq_len"] // 16
+    lines = [
+        "# TTT: layer and scan checkpointing vs the plain layer",
         "",
         f"torch {result['torch']}, {result['platform']}, {result['threads']} threads"
         + (" (quick run)" if result["quick"] else ""),
         "",
+        "Modes: " + "; ".join(f"**{m}**: {MODE_TEXT[m]}" for m in MODES) + ".",
+        "",
         f"## Peak memory, 125M TTT-Linear ({fake['rows'][0]['parameters'] / 1e6:.0f}M parameters), fake tensors",
         "",
         f"Forward + backward of the next-token loss (fused log-prob head), batch {fake['shape']['batch']} x sequence "
-        f"{fake['shape']['seq_len']}, {fake['dtype']}, mini-batch 16 ({fake['shape']['seq_len'] // 16} mini-batches per layer), "
+        f"{fake['shape']['seq_len']}, {fake['dtype']}, mini-batch 16 ({n_mb} mini-batches per layer), "
         "measured by `lit_memopt.memory.fake.peak_during` (MemTracker). Peak = all live tensors (parameters included); "
-        "extra = peak minus what was live before the step (activations, temporaries, gradients). Group 0 = no checkpointing; "
-        f"group {fake['chosen_group']} is what `auto_checkpoint_group_size` picks when memory is short."
+        "extra = peak minus what was live before the step (activations, temporaries, gradients)."
         + (
-            f" The 12-layer values are extrapolated linearly from measurements at "
-            f"{sorted({m['num_layers'] for m in fake['measured']})} blocks (0 = embedding + head only): parameters, gradients "
-            "and saved activations are linear in depth; a once-only transient (one TTT layer recomputed in backward, its scan one group "
-            "at a time) is counted per block, "
-            "which overstates the checkpointed peak, but where in the step the peak falls can change with depth, so "
-            "linearity is not guaranteed (see the 2-block cross-check below when present)."
+            f" The 12-block values are extrapolated linearly from measurements at "
+            f"{sorted({m['num_layers'] for m in fake['measured']})} blocks: parameters, gradients and saved activations "
+            "are linear in depth and both depths include the one-layer recomputation transient."
             if extrapolated
-            else ""
+            else " All 12 blocks measured."
         ),
         "",
-        "| checkpoint_group_size | blocks | peak GiB | extra GiB | peak ratio | extra ratio |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| mode | checkpoint_group_size | blocks | peak GiB | extra GiB | peak ratio | extra ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in fake["measured"]:
-        lines.append(
-            f"| {r['checkpoint_group_size']} | {r['num_layers']} (measured) | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | | |"
-        )
+    if extrapolated:
+        for r in fake["measured"]:
+            lines.append(
+                f"| {r['mode']} | {r['checkpoint_group_size']} | {r['num_layers']} (measured) | {_gib(r['peak_bytes'])} | "
+                f"{_gib(r['extra_bytes'])} | | |"
+            )
     for r in fake["rows"]:
         tag = "extrapolated" if r["extrapolated"] else "measured"
         lines.append(
-            f"| {r['checkpoint_group_size']} | **{r['num_layers']} ({tag})** | {_gib(r['peak_bytes'])} | {_gib(r['extra_bytes'])} | "
-            f"{r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} |"
+            f"| {r['mode']} | {r['checkpoint_group_size']} | **{r['num_layers']} ({tag})** | {_gib(r['peak_bytes'])} | "
+            f"{_gib(r['extra_bytes'])} | **{r['peak_ratio']:.3f}** | {r['extra_ratio']:.3f} |"
         )
-    ms, ts = real["memory_shape"], real["time_shape"]
-    lines += [
-        "",
-        f"## Real tensors on the CPU: tiny TTT LM ({real['config']['hidden_size']} wide, {real['config']['num_layers']} layers)",
-        "",
-        f"Peak live tensor bytes (MemTracker, real tensors) at batch {ms['batch']} x sequence {ms['seq_len']}. "
-        f"Gradients bit-identical with and without checkpointing: {real['gradients_identical']}.",
-        "",
-        "| checkpoint_group_size | peak MiB | extra MiB | peak ratio | extra ratio |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for r in real["rows"]:
-        lines.append(
-            f"| {r['checkpoint_group_size']} | {_mib(r['peak_bytes'])} | {_mib(r['extra_bytes'])} | "
-            f"{r['peak_ratio']:.3f} | {r['extra_ratio']:.3f} |"
-        )
-    lines += [
-        "",
-        f"Step time (forward + backward), batch {ts['batch']} x sequence {ts['seq_len']}, median of {real['reps']} interleaved "
-        f"repetitions: plain {real['step_s']['plain']:.3f} s, checkpointed (group {real['time_group']}) "
-        f"{real['step_s']['checkpointed']:.3f} s.",
-        "",
-    ]
-    check = result.get("cross_check")
-    if check:
-        lines += [
-            "## Cross-check: 2 blocks measured (125M widths, same shape)",
-            "",
-            check["note"],
-            "",
-            "| checkpoint_group_size | blocks | peak GiB | extra GiB |",
-            "|---:|---:|---:|---:|",
-            *(
-                f"| {m['checkpoint_group_size']} | {m['num_layers']} | {_gib(m['peak_bytes'])} | {_gib(m['extra_bytes'])} |"
-                for m in check["measured"]
-            ),
-            "",
-        ]
+    lines.append("")
+    lines += _real_section("Real tensors on the CPU: 125M TTT-Linear", result["real_cpu_125m"], "GiB")
+    tiny = result["real_cpu"]
+    lines += _real_section(
+        f"Real tensors on the CPU: tiny TTT LM ({tiny['config']['hidden_size']} wide, {tiny['config']['num_layers']} blocks)",
+        tiny,
+        "MiB",
+    )
     lines += [
         "## Summary",
         "",
-        f"- 125M peak ratio (group {fake['chosen_group']}): **{summary['fake_125m_peak_ratio']:.3f}** "
-        f"(extra {summary['fake_125m_extra_ratio']:.3f}); target <= {result['memory_target']}: "
+        f"- 125M, fake tensors, peak ratio: layer **{summary['fake_125m_peak_ratio']['layer']:.3f}**, grouped "
+        f"{summary['fake_125m_peak_ratio']['grouped']:.3f}; target <= {result['memory_target']} (layer mode): "
         f"{'met' if summary['memory_target_met'] else 'NOT met'}",
-        f"- tiny model, real tensors: peak ratio {summary['real_tiny_peak_ratio']:.3f}, extra ratio {summary['real_tiny_extra_ratio']:.3f}",
-        f"- CPU step-time ratio: **{summary['cpu_time_ratio']:.3f}**; target <= {result['time_target']}: "
+        f"- 125M, real CPU step-time ratio: layer **{summary['real_125m_time_ratio']['layer']:.3f}**, grouped "
+        f"{summary['real_125m_time_ratio']['grouped']:.3f}; target <= {result['time_target']} (layer mode): "
         f"{'met' if summary['time_target_met'] else 'NOT met'}",
+        f"- 125M, real tensors, peak ratio: layer {summary['real_125m_peak_ratio']['layer']:.3f}, grouped "
+        f"{summary['real_125m_peak_ratio']['grouped']:.3f} (floor without TTT layers {summary['real_125m_floor_ratio']:.3f})",
+        f"- tiny model, real tensors: peak ratio layer {summary['real_tiny_peak_ratio']['layer']:.3f}, grouped "
+        f"{summary['real_tiny_peak_ratio']['grouped']:.3f} (floor without TTT layers {summary['real_tiny_floor_ratio']:.3f}); "
+        f"time ratio layer {summary['real_tiny_time_ratio']['layer']:.3f}, grouped {summary['real_tiny_time_ratio']['grouped']:.3f}",
+        f"- gradients bit-identical to the plain layer in every mode: {summary['gradients_identical']}",
         "- No CUDA device in this run: GPU timings were not measured.",
         "",
     ]

@@ -200,6 +200,50 @@ def test_checkpointing_covers_the_whole_layer_and_its_input_norm():
         assert _saved_bytes_recorded(lambda: _make(kind, checkpoint_group_size=2)(x, norm)) == input_bytes, kind
 
 
+def test_checkpointing_under_bf16_autocast_is_bit_identical():
+    """The recomputation in backward re-enters the forward's autocast (projections in bf16, the
+    scan in float32), so outputs and gradients still match the plain layer exactly."""
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(12)).float()
+    results = []
+    for group in (0, 2, 100):
+        layer = _make("linear", checkpoint_group_size=group).float()
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(xg)
+        assert out.dtype == torch.bfloat16
+        out.float().pow(2).sum().backward()
+        results.append((out, xg.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    ref_out, ref_x, ref = results[0]
+    for out, gx, got in results[1:]:
+        assert torch.equal(out, ref_out) and torch.equal(gx, ref_x)
+        assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_checkpointing_with_a_plain_function_norm_and_frozen_parameters():
+    """A non-module ``input_norm`` is applied outside the checkpoint (its closed-over parameters
+    still get gradients); frozen layer parameters get none; with nothing requiring grad the layer
+    runs plainly."""
+    x = torch.randn(2, 13, 16, generator=torch.Generator().manual_seed(13))
+    scale = torch.full((16,), 1.5, requires_grad=True)
+
+    def norm(t):
+        return t * scale
+
+    grads = []
+    for group in (0, 3):
+        layer = _make("mlp", checkpoint_group_size=group)
+        layer.q_proj.weight.requires_grad_(False)
+        scale.grad = None
+        xg = x.clone().requires_grad_(True)
+        layer(xg, norm).sum().backward()
+        assert layer.q_proj.weight.grad is None
+        grads.append((xg.grad, scale.grad.clone(), layer.k_proj.weight.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    frozen = _make("linear", checkpoint_group_size=2).requires_grad_(False)
+    out = frozen(x)
+    assert not out.requires_grad and out.grad_fn is None
+
+
 def test_checkpointed_model_gives_identical_gradients():
     cfg = dict(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24, mini_batch_size=4, conv_kernel=2)
     ids = torch.randint(0, 384, (2, 22), generator=torch.Generator().manual_seed(10))

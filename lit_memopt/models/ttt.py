@@ -239,7 +239,8 @@ class _TTTLayer(nn.Module):
 
         All are ``[batch * heads, n, ...]``: queries and keys ``[.., m, d]``, ``eta = E [.., m, m]``,
         ``eta_mix = E * Q K^T + E``, ``last`` (the last row of ``E``, ``[.., 1, m]``) and the inner
-        LayerNorm's ``bias - target``. Mini-batch ``i`` of each is passed to the step in order.
+        LayerNorm's ``bias - target``. Mini-batch ``i`` of each is passed to the step in order, after
+        the queries (which the step always gets first).
         """
         raise NotImplementedError
 
@@ -393,7 +394,6 @@ class _TTTLayer(nn.Module):
             last=eta[:, :, -1:, :],  # [BH, n, 1, m]: the last token's row gives the next state
             bias_minus_target=norm_b.unsqueeze(1) - (v - k),  # target v - k (reconstruction)
         )
-        out_base = q + norm_b.unsqueeze(1)  # o_i = q_i + LN(z_bar_i) = (q_i + b) + w * z_hat_i
         # The LayerNorm weight expanded over mini-batches and handed to each step like the tensors
         # above: its gradient is stacked per mini-batch and summed over them by one reduction, in
         # the same order with or without group checkpointing (bit-identical gradients).
@@ -404,21 +404,23 @@ class _TTTLayer(nn.Module):
             outs = []
             # unbind, not t[:, i]: its backward stacks the mini-batch gradients once, where one
             # select per mini-batch would write a full-size zero gradient each (quadratic in n)
-            for base_i, weight, *step_i in zip(*(t.unbind(1) for t in tensors[n_state:])):
-                st, z_bar = self._mini_batch_step(st, *step_i, weight)
-                outs.append(torch.addcmul(base_i, F.layer_norm(z_bar, (d,), eps=_INNER_LN_EPS), weight))
+            for q_i, weight, *step_i in zip(*(t.unbind(1) for t in tensors[n_state:])):
+                st, z_bar = self._mini_batch_step(st, q_i, *step_i, weight)
+                # output rule o_i = q_i + LN(z_bar_i); the LayerNorm bias is added once, below
+                outs.append(torch.addcmul(q_i, F.layer_norm(z_bar, (d,), eps=_INNER_LN_EPS), weight))
             return (*st, torch.stack(outs, dim=1))
 
         grouped = 0 < group < n and torch.is_grad_enabled()
         step = group if grouped else n
         outputs = []
         # split (one backward for all groups), not t[:, a:b] (a full-size zero gradient per group)
-        for group_inputs in zip(*(t.split(step, dim=1) for t in (out_base, weights, *per_mini_batch))):
+        for group_inputs in zip(*(t.split(step, dim=1) for t in (q, weights, *per_mini_batch))):
             args = (*state, *group_inputs)
             result = _RecomputedGroup.apply(run, *args) if grouped else run(*args)
             state = tuple(result[:n_state])
             outputs.append(result[n_state])
-        return state, outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return state, out + norm_b.unsqueeze(1)
 
     def extra_repr(self) -> str:
         return (
@@ -451,7 +453,9 @@ class _RecomputedLayer(torch.autograd.Function):
         ctx.layer, ctx.input_norm, ctx.group, ctx.params = layer, input_norm, group, params
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x)
-        return layer._layer_forward(x, group, input_norm)
+        # detached: a view of ``x`` made here would claim to require grad without a grad_fn, which
+        # module hooks that watch inputs (e.g. MemTracker's) reject
+        return layer._layer_forward(x.detach(), group, input_norm)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -514,9 +518,12 @@ class TTTLinear(_TTTLayer):
         num_heads: independent inner models.
         mini_batch_size: tokens per inner gradient step ``b`` (the paper uses 16).
         base_lr: ``eta_base`` of the inner learning rate (paper: 1.0 for TTT-Linear).
-        checkpoint_group_size: 0 stores the whole scan for backward; ``g > 0`` checkpoints every
-            ``g`` mini-batches (non-reentrant); ``"auto"`` picks ``g`` from the free memory
-            (:func:`auto_checkpoint_group_size`).
+        checkpoint_group_size: 0 stores the whole layer's intermediates for backward. ``g > 0``
+            checkpoints the layer: backward keeps only its input and recomputes it; with ``g`` at
+            least the number of mini-batches ``n`` (e.g. ``seq_len // mini_batch_size``) the
+            recomputation is one pass (fastest), with ``g < n`` its scan is checkpointed every ``g``
+            mini-batches (least memory, one more scan forward). ``"auto"`` picks 0, ``n`` or the
+            memory-minimum ``g`` from the free memory (:func:`auto_checkpoint_group_size`).
         initializer_range: std of the normal initialisation of projections and ``W0``.
 
     Raises:
@@ -542,17 +549,18 @@ class TTTLinear(_TTTLayer):
         return 24 * b * d + 3 * b * b + d * d
 
     def _step_inputs(self, *, q, k, eta, eta_mix, last, bias_minus_target):
-        last_k = (last.transpose(-1, -2) * k).transpose(-1, -2)  # [BH, n, d, m]: (last * K)^T
-        return q, k, eta_mix, last_k, last, bias_minus_target
+        return k, eta_mix, last.transpose(-1, -2), bias_minus_target
 
-    def _mini_batch_step(self, state, q, k, eta_mix, last_k, last, bias_minus_target, norm_w):
+    def _mini_batch_step(self, state, q, k, eta_mix, last, bias_minus_target, norm_w):
         W, bias = state
         z = torch.baddbmm(bias, k, W)
         grad = _layer_norm_l2_grad(z, bias_minus_target, norm_w)
         # dual form: Z_bar = Q W0 - (E * Q K^T) G + b0 - E G
         z_bar = torch.baddbmm(bias, q, W) - torch.bmm(eta_mix, grad)
-        W_next = W - torch.bmm(last_k, grad)
-        b_next = bias - torch.bmm(last, grad)
+        # the state after the last token: W0 - K^T diag(e) G, b0 - sum_j e_j g_j (e: E's last row)
+        scaled = last * grad
+        W_next = W - torch.bmm(k.transpose(-1, -2), scaled)
+        b_next = bias - scaled.sum(dim=-2, keepdim=True)
         return (W_next, b_next), z_bar
 
 
@@ -594,10 +602,9 @@ class TTTMLP(_TTTLayer):
         return 16 * b * d + 14 * b * m + 6 * b * b + 2 * d * m
 
     def _step_inputs(self, *, q, k, eta, eta_mix, last, bias_minus_target):
-        last_k = (last.transpose(-1, -2) * k).transpose(-1, -2)  # [BH, n, d, m]: (last * K)^T
-        return q, k, eta, eta_mix, last_k, last, bias_minus_target
+        return k, eta, eta_mix, last.transpose(-1, -2), bias_minus_target
 
-    def _mini_batch_step(self, state, q, k, eta, eta_mix, last_k, last, bias_minus_target, norm_w):
+    def _mini_batch_step(self, state, q, k, eta, eta_mix, last, bias_minus_target, norm_w):
         W1, b1, W2, b2 = state
         z1 = torch.baddbmm(b1, k, W1)
         x2 = F.gelu(z1)
@@ -609,10 +616,11 @@ class TTTMLP(_TTTLayer):
         x2_bar = F.gelu(z1_bar)
         eta_x2 = torch.addcmul(eta, eta, torch.bmm(x2_bar, x2.transpose(-1, -2)))  # E * X2_bar X2^T + E
         z2_bar = torch.baddbmm(b2, x2_bar, W2) - torch.bmm(eta_x2, grad2)
-        W1_next = W1 - torch.bmm(last_k, grad1)
-        b1_next = b1 - torch.bmm(last, grad1)
-        W2_next = W2 - torch.bmm((last.transpose(-1, -2) * x2).transpose(-1, -2), grad2)
-        b2_next = b2 - torch.bmm(last, grad2)
+        scaled1, scaled2 = last * grad1, last * grad2  # rows scaled by E's last row
+        W1_next = W1 - torch.bmm(k.transpose(-1, -2), scaled1)
+        b1_next = b1 - scaled1.sum(dim=-2, keepdim=True)
+        W2_next = W2 - torch.bmm(x2.transpose(-1, -2), scaled2)
+        b2_next = b2 - scaled2.sum(dim=-2, keepdim=True)
         return (W1_next, b1_next, W2_next, b2_next), z2_bar
 
 
@@ -655,7 +663,7 @@ class TTTConfig:
         inner_base_lr: ``eta_base``; ``None`` takes the paper's value (1.0 linear, 0.1 MLP).
         mlp_expansion: TTT-MLP inner width / head width.
         conv_kernel: width of the causal token-mixing convolution (0: none).
-        checkpoint_group_size: scan checkpointing, see :class:`TTTLinear` (``"auto"`` accepted).
+        checkpoint_group_size: layer and scan checkpointing, see :class:`TTTLinear` (``"auto"`` accepted).
         rms_norm_eps: epsilon of the RMSNorms.
         tie_word_embeddings: share the input embedding with the LM head.
         initializer_range: std of the normal initialisation.
@@ -859,7 +867,7 @@ class TTTIntegrationConfig:
         inner_base_lr: ``eta_base``; ``None`` takes the paper's value for ``layer_type``.
         gate_init: initial ``alpha`` of the gate ``tanh(alpha)`` (per channel). 0 leaves the
             pretrained model's function exactly unchanged at the start.
-        checkpoint_group_size: scan checkpointing of each branch (0, a positive int, ``"auto"``).
+        checkpoint_group_size: layer and scan checkpointing of each branch (0, a positive int, ``"auto"``).
 
     Raises:
         ValueError: on an unknown ``layer_type`` or bad sizes.
