@@ -248,19 +248,38 @@ def test_checkpointed_model_gives_identical_gradients():
     cfg = dict(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24, mini_batch_size=4, conv_kernel=2)
     ids = torch.randint(0, 384, (2, 22), generator=torch.Generator().manual_seed(10))
 
-    def run(group):
+    def run(group, conv=True):
         torch.manual_seed(0)
-        model = TTTConfig(**cfg, checkpoint_group_size=group).build_model().double()
+        model = TTTConfig(**cfg, checkpoint_group_size=group, checkpoint_conv=conv).build_model().double()
         out = model(ids)
         (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(11))).sum().backward()
         return out, {n: p.grad for n, p in model.named_parameters()}
 
     ref_out, ref = run(0)
-    for group in (1, 2, 5):  # 5 full mini-batches of 4 (+ a remainder of 2): 5 is the whole layer
-        out, got = run(group)
+    # 5 full mini-batches of 4 (+ a remainder of 2): 5 is the whole layer; the conv recomputed with
+    # the TTT layer or stored
+    for group, conv in ((1, True), (2, True), (5, True), (2, False), (5, False)):
+        out, got = run(group, conv)
         assert torch.equal(out, ref_out)
         for name in ref:
-            assert torch.equal(got[name], ref[name]), (group, name)
+            assert torch.equal(got[name], ref[name]), (group, conv, name)
+
+
+def test_checkpointed_block_keeps_only_its_input_for_the_mixing_half():
+    """With checkpointing on, a block saves its input for the conv + TTT half (plus what its MLP
+    half saves, the same in both); with ``checkpoint_conv=False`` the conv's activations too."""
+    cfg = dict(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=24, mini_batch_size=4, conv_kernel=2)
+    x = torch.randn(2, 22, 16, requires_grad=True)
+
+    def saved(**kw):
+        block = TTTConfig(**cfg, **kw).build_model().layers[0]
+        mlp_half = _saved_bytes_recorded(lambda: block.mlp(block.ffn_norm(x)) + x)
+        return _saved_bytes_recorded(lambda: block(x)) - mlp_half
+
+    input_bytes = x.numel() * x.element_size()
+    assert saved(checkpoint_group_size=2) == input_bytes
+    assert saved(checkpoint_group_size=2, checkpoint_conv=False) > 2 * input_bytes
+    assert saved(checkpoint_group_size=0) > 10 * input_bytes
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])

@@ -27,8 +27,10 @@ again, recording, and back-propagates through that. The recomputation is bounded
 ``g`` smaller than the number of mini-batches ``n``, the recomputed scan is itself checkpointed
 every ``g`` mini-batches (non-reentrant ``torch.utils.checkpoint``), so at most ``g`` mini-batches'
 intermediates are alive at once, for one more scan forward; with ``g >= n`` the layer is recomputed
-in one pass (fastest; one layer's scan intermediates alive while its backward runs). The same ops
-run in the same order, so outputs and gradients are bit-identical to the plain layer.
+in one pass (fastest; one layer's scan intermediates alive while its backward runs). In a
+:class:`TTTBlock` the causal convolution before the layer is recomputed with it by default
+(``TTTConfig.checkpoint_conv``), so the block's whole sequence-mixing half keeps only its input. The
+same ops run in the same order, so outputs and gradients are bit-identical to the plain layer.
 """
 
 from __future__ import annotations
@@ -299,22 +301,38 @@ class _TTTLayer(nn.Module):
         layer when it is an ``nn.Module`` (its parameters get their gradients); any other callable
         is applied outside the checkpoint.
         """
+        group = self.resolve_group_size(x)
+        if group > 0 and torch.is_grad_enabled():
+            if input_norm is not None and not isinstance(input_norm, nn.Module):
+                x, input_norm = input_norm(x), None
+            return self.recompute_in_backward(
+                lambda t: self._layer_forward(t, group, input_norm), x, (self, input_norm)
+            )
+        return self._layer_forward(x, group, input_norm)
+
+    def resolve_group_size(self, x: torch.Tensor) -> int:
+        """Check ``x [B, T, C]`` and return the group size this call uses (``"auto"`` resolved once
+        per call, so that the recomputation in backward uses the same groups)."""
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"{type(self).__name__} expects [batch, seq, {self.hidden_size}], got {tuple(x.shape)}.")
         B, T, _ = x.shape
         n_full = T // self.mini_batch_size
-        # resolved once here so that the recomputation in backward uses the same groups ("auto"
-        # could otherwise answer differently once memory has changed)
         group = self._group_size(n_full, B, x.device) if n_full else 0
         if n_full:
             self.last_group_size = group
-        if group > 0 and torch.is_grad_enabled():
-            if input_norm is not None and not isinstance(input_norm, nn.Module):
-                x, input_norm = input_norm(x), None
-            params = tuple(p for m in (self, input_norm) if m is not None for p in m.parameters() if p.requires_grad)
-            if x.requires_grad or params:
-                return _RecomputedLayer.apply(self, input_norm, group, x, *params)
-        return self._layer_forward(x, group, input_norm)
+        return group
+
+    @staticmethod
+    def recompute_in_backward(
+        fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, modules: Sequence[nn.Module | None]
+    ) -> torch.Tensor:
+        """``fn(x)`` with activation checkpointing: nothing but ``x`` is kept for backward, which
+        runs ``fn`` again with autograd on and back-propagates through it. ``modules`` are the
+        modules ``fn`` uses: their parameters get their gradients. Bit-identical to ``fn(x)``."""
+        params = tuple(p for m in modules if m is not None for p in m.parameters() if p.requires_grad)
+        if not (x.requires_grad or params):
+            return fn(x)
+        return _Recomputed.apply(fn, x, *params)
 
     def _layer_forward(
         self, x: torch.Tensor, group: int, input_norm: Callable[[torch.Tensor], torch.Tensor] | None
@@ -436,38 +454,38 @@ def _autocast_state(device_type: str) -> dict[str, Any]:
     return {"device_type": device_type, "dtype": torch.get_autocast_dtype(device_type), "enabled": True}
 
 
-class _RecomputedLayer(torch.autograd.Function):
-    """Whole-layer activation checkpointing of a TTT layer, without saved-tensor hooks.
+class _Recomputed(torch.autograd.Function):
+    """Activation checkpointing of ``fn(x)`` (a TTT layer, or a block's conv + TTT half) without
+    saved-tensor hooks.
 
-    Forward runs the layer without recording (autograd functions' forwards never record) and saves
-    only the input. Backward runs ``layer._layer_forward`` again with autograd on (under the
-    forward's autocast setting), then ``torch.autograd.grad`` of that with the incoming gradient,
-    with respect to the input and the parameters passed in; the recomputation builds the same graph
-    the plain layer builds, so the gradients are bit-identical. Compared with wrapping the layer in
-    ``torch.utils.checkpoint`` this skips a Python hook per saved tensor and records nothing
-    in forward.
+    Forward runs ``fn`` without recording (autograd functions' forwards never record) and saves only
+    ``x``. Backward runs ``fn`` again with autograd on (under the forward's autocast setting), then
+    ``torch.autograd.grad`` of that with the incoming gradient, with respect to ``x`` and the
+    parameters passed in; the recomputation builds the same graph the plain call builds, so the
+    gradients are bit-identical. Compared with ``torch.utils.checkpoint`` this skips a Python hook
+    per saved tensor and records nothing in forward.
     """
 
     @staticmethod
-    def forward(ctx, layer: "_TTTLayer", input_norm: nn.Module | None, group: int, x: torch.Tensor, *params: torch.Tensor):
-        ctx.layer, ctx.input_norm, ctx.group, ctx.params = layer, input_norm, group, params
+    def forward(ctx, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *params: torch.Tensor):
+        ctx.fn, ctx.params = fn, params
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x)
         # detached: a view of ``x`` made here would claim to require grad without a grad_fn, which
         # module hooks that watch inputs (e.g. MemTracker's) reject
-        return layer._layer_forward(x.detach(), group, input_norm)
+        return fn(x.detach())
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[1:]
         x = x.detach().requires_grad_(needs[0])
         with torch.enable_grad(), torch.autocast(**ctx.autocast):
-            out = ctx.layer._layer_forward(x, ctx.group, ctx.input_norm)
+            out = ctx.fn(x)
         wanted = [t for t, need in zip((x, *ctx.params), needs) if need]
         grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-        return (None, None, None, *(next(grads) if need else None for need in needs))
+        return (None, *(next(grads) if need else None for need in needs))
 
 
 class _RecomputedGroup(torch.autograd.Function):
@@ -664,6 +682,9 @@ class TTTConfig:
         mlp_expansion: TTT-MLP inner width / head width.
         conv_kernel: width of the causal token-mixing convolution (0: none).
         checkpoint_group_size: layer and scan checkpointing, see :class:`TTTLinear` (``"auto"`` accepted).
+        checkpoint_conv: when checkpointing is on, recompute each block's causal convolution with its
+            TTT layer (the block's whole sequence-mixing half keeps only its input for backward);
+            ``False`` stores the convolution's activations and checkpoints the TTT layer alone.
         rms_norm_eps: epsilon of the RMSNorms.
         tie_word_embeddings: share the input embedding with the LM head.
         initializer_range: std of the normal initialisation.
@@ -692,6 +713,7 @@ class TTTConfig:
     mlp_expansion: int = 4
     conv_kernel: int = 4
     checkpoint_group_size: int | str = 0
+    checkpoint_conv: bool = True
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
@@ -798,12 +820,25 @@ class TTTBlock(nn.Module):
         self.ttt = ttt_layer_class(config.layer_type)(C, config.num_heads, **kwargs)
         self.ffn_norm = nn.RMSNorm(C, eps=config.rms_norm_eps)
         self.mlp = _SwiGLU(C, config.intermediate_size)
+        self.checkpoint_conv = bool(config.checkpoint_conv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.conv is not None and self.checkpoint_conv:
+            group = self.ttt.resolve_group_size(x)
+            if group > 0 and torch.is_grad_enabled():
+                # the sequence-mixing half (conv + TTT) checkpointed as one: only x is kept
+                x = self.ttt.recompute_in_backward(
+                    lambda t: self._mixing(t, group), x, (self.conv_norm, self.conv, self.seq_norm, self.ttt)
+                )
+                return x + self.mlp(self.ffn_norm(x))
         if self.conv is not None:
             x = x + self.conv(self.conv_norm(x))
         x = x + self.ttt(x, self.seq_norm)
         return x + self.mlp(self.ffn_norm(x))
+
+    def _mixing(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        x = x + self.conv(self.conv_norm(x))
+        return x + self.ttt._layer_forward(x, group, self.seq_norm)
 
 
 class TTTForCausalLM(nn.Module):
