@@ -20,3 +20,14 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Every test starts on one intra-op thread, whatever an earlier test (or a benchmark it ran)
+    set: tiny models are dominated by per-op overhead, and threads spinning on a shared CPU make
+    generation loops several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

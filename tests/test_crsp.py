@@ -22,16 +22,6 @@ FAST = dict(max_new_tokens_propose=16, max_new_tokens_solve=8, max_new_tokens_cr
             critiques_per_task=1, micro_batch_size=4, sandbox_workers=2, sandbox_wall_time_s=5.0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Generation is a long chain of tiny ops: on a shared 2-core machine, intra-op threads spin on
-    # each other (10x slower measured under load); one thread is fastest for these shapes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _config(lora: bool = True) -> ModelConfig:
     return ModelConfig(name="tiny", arch=dict(ARCH), lora={"r": 4, "alpha": 8} if lora else None)
 

@@ -22,15 +22,6 @@ ARCH = {
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny shapes: one thread is faster than two on a shared CPU, and results do not depend on it.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()

@@ -16,15 +16,6 @@ from lit_memopt.modules.rollout import position_ids_from_mask
 from lit_memopt.ops import linear_self_certainty
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are dominated by per-op overhead; one thread avoids spin-waiting on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _config(lora: dict | None = None) -> ModelConfig:
     return ModelConfig(
         name="micro",

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from lit_memopt.modules import IntuitorModule
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are dominated by per-op overhead; one thread avoids spin-waiting on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_embedded_recipe_self_certainty_rises(tmp_path: Path) -> None:

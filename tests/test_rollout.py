@@ -21,15 +21,6 @@ from lit_memopt.modules.rollout import (
 TEMPERATURE = 0.7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are dominated by per-op overhead; one thread avoids spin-waiting on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _config(vocab_size: int = 384, lora: dict | None = None) -> ModelConfig:
     return ModelConfig(
         name="micro",

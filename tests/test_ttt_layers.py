@@ -130,22 +130,28 @@ def test_scan_checkpointing_gives_identical_gradients(kind):
             assert torch.equal(got[name], want[name]), (group, name, "residual")
 
 
+def _saved_bytes_recorded(fn):
+    """Bytes autograd saves for backward through the hooks seen by the caller (a checkpoint's
+    own hooks take over inside it, so what a checkpoint recomputes is not counted)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
 def test_scan_checkpointing_saves_fewer_tensors():
     """With checkpointing, backward holds only group-boundary states: count saved-tensor bytes."""
     x = torch.randn(2, 64, 16, requires_grad=True)
 
     def saved_bytes(group):
         layer = _make("linear", checkpoint_group_size=group)
-        total = 0
-
-        def pack(t):
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(x)
-        return total
+        return _saved_bytes_recorded(lambda: layer(x))
 
     assert saved_bytes(4) < 0.6 * saved_bytes(0)
 
@@ -172,21 +178,6 @@ def test_layer_checkpointing_with_input_norm_gives_identical_gradients(kind):
             assert torch.equal(got[name], ref[name]), (group, name)
         assert torch.equal(norm.weight.grad, ref_norm), group
         norm.zero_grad(set_to_none=True)
-
-
-def _saved_bytes_recorded(fn):
-    """Bytes autograd saves for backward through the hooks seen by the caller (a checkpoint's
-    own hooks take over inside it, so what a checkpoint recomputes is not counted)."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
 
 
 def test_checkpointing_covers_the_whole_layer_and_its_input_norm():

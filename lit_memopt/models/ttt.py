@@ -36,7 +36,7 @@ same ops run in the same order, so outputs and gradients are bit-identical to th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -332,7 +332,7 @@ class _TTTLayer(nn.Module):
         params = tuple(p for m in modules if m is not None for p in m.parameters() if p.requires_grad)
         if not (x.requires_grad or params):
             return fn(x)
-        return _Recomputed.apply(fn, x, *params)
+        return _Recomputed.apply(fn, 1, x, *params)
 
     def _layer_forward(
         self, x: torch.Tensor, group: int, input_norm: Callable[[torch.Tensor], torch.Tensor] | None
@@ -434,7 +434,7 @@ class _TTTLayer(nn.Module):
         # split (one backward for all groups), not t[:, a:b] (a full-size zero gradient per group)
         for group_inputs in zip(*(t.split(step, dim=1) for t in (q, weights, *per_mini_batch))):
             args = (*state, *group_inputs)
-            result = _RecomputedGroup.apply(run, *args) if grouped else run(*args)
+            result = _Recomputed.apply(run, len(args), *args) if grouped else run(*args)
             state = tuple(result[:n_state])
             outputs.append(result[n_state])
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -455,67 +455,46 @@ def _autocast_state(device_type: str) -> dict[str, Any]:
 
 
 class _Recomputed(torch.autograd.Function):
-    """Activation checkpointing of ``fn(x)`` (a TTT layer, or a block's conv + TTT half) without
-    saved-tensor hooks.
+    """Activation checkpointing without saved-tensor hooks, for a whole TTT layer (or a block's
+    conv + TTT half) and for a group of scan steps.
 
-    Forward runs ``fn`` without recording (autograd functions' forwards never record) and saves only
-    ``x``. Backward runs ``fn`` again with autograd on (under the forward's autocast setting), then
-    ``torch.autograd.grad`` of that with the incoming gradient, with respect to ``x`` and the
-    parameters passed in; the recomputation builds the same graph the plain call builds, so the
-    gradients are bit-identical. Compared with ``torch.utils.checkpoint`` this skips a Python hook
-    per saved tensor and records nothing in forward.
+    ``_Recomputed.apply(fn, num_args, *args, *params)``: forward runs ``fn(*args)`` without
+    recording (autograd functions' forwards never record) and saves only ``args``. Backward runs
+    ``fn`` again with autograd on (under the forward's autocast setting), then ``torch.autograd.grad``
+    of that with the incoming gradients, with respect to ``args`` and ``params`` (the parameters
+    ``fn`` uses). The recomputation builds the same graph the plain call builds, so the gradients
+    are bit-identical. Compared with ``torch.utils.checkpoint`` this skips a Python hook per saved
+    tensor and records nothing in forward. Outputs that get no gradient (an unused final scan
+    state) are left out of backward, as without checkpointing.
     """
 
     @staticmethod
-    def forward(ctx, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *params: torch.Tensor):
-        ctx.fn, ctx.params = fn, params
-        ctx.autocast = _autocast_state(x.device.type)
-        ctx.save_for_backward(x)
-        # detached: a view of ``x`` made here would claim to require grad without a grad_fn, which
-        # module hooks that watch inputs (e.g. MemTracker's) reject
-        return fn(x.detach())
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:]
-        x = x.detach().requires_grad_(needs[0])
-        with torch.enable_grad(), torch.autocast(**ctx.autocast):
-            out = ctx.fn(x)
-        wanted = [t for t, need in zip((x, *ctx.params), needs) if need]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-        return (None, *(next(grads) if need else None for need in needs))
-
-
-class _RecomputedGroup(torch.autograd.Function):
-    """Checkpoint of one group of scan steps: forward keeps only the group's inputs (the state it
-    starts from and its slices of the per-mini-batch tensors); backward runs the group again,
-    recording, and returns ``torch.autograd.grad`` of it. Same ops, same graph, so gradients are
-    bit-identical to the unchecked scan (the scan hands every shared tensor to the steps as a
-    per-mini-batch slice, so nothing is summed across groups in a different order)."""
-
-    @staticmethod
-    def forward(ctx, run: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor):
-        ctx.run = run
-        ctx.autocast = _autocast_state(tensors[0].device.type)
-        ctx.set_materialize_grads(False)  # an unused final state gets no gradient, as without checkpointing
-        ctx.save_for_backward(*tensors)
-        return run(*tensors)
+    def forward(ctx, fn: Callable[..., Any], num_args: int, *tensors: torch.Tensor):
+        args = tensors[:num_args]
+        ctx.fn, ctx.params = fn, tensors[num_args:]
+        ctx.autocast = _autocast_state(args[0].device.type)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*args)
+        # detached: a view of an input made here would claim to require grad without a grad_fn,
+        # which module hooks that watch inputs (e.g. MemTracker's) reject
+        return fn(*(a.detach() for a in args))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor | None):
-        needs = ctx.needs_input_grad[1:]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        needs = ctx.needs_input_grad[2:]
+        args = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
         with torch.enable_grad(), torch.autocast(**ctx.autocast):
-            outputs = ctx.run(*inputs)
+            outputs = ctx.fn(*args)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad]
+        inputs = (*args, *ctx.params)
+        wanted = [t for t, need in zip(inputs, needs) if need]
         if not pairs or not wanted:
-            return (None, *(None for _ in inputs))
+            return (None, None, *(None for _ in inputs))
         got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
-        return (None, *(next(got) if t.requires_grad else None for t in inputs))
+        return (None, None, *(next(got) if need else None for need in needs))
 
 
 def _check_group_size(value: int | str) -> int | str:
