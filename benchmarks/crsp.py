@@ -10,7 +10,6 @@ Run ``python benchmarks/crsp.py [--quick]`` or call :func:`run`.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -23,10 +22,10 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/crsp.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._results import write_results  # noqa: E402
 from lit_memopt.memory.fake import fake_mode, peak_during  # noqa: E402
 from lit_memopt.ops import linear_logprobs, tr_rpg_loss  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL_CONF = Path(__file__).resolve().parents[1] / "conf" / "model" / "qwen2_5_7b.yaml"
 ROLES = {"propose": 0.01, "solve": 0.05, "critique": 0.1}  # role -> TR-RPG beta (CRSPModule defaults)
 RESPONSE_TOKENS = 8192
@@ -244,10 +243,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "memory_fake": measure_fake_memory(tokens),
         "cpu": measure_cpu(CPU_SHAPE_QUICK if quick else CPU_SHAPE, reps=2 if quick else 3),
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = "crsp_cpu_quick" if quick else "crsp_cpu"
-    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
+    write_results("crsp_cpu_quick" if quick else "crsp_cpu", result, to_markdown(result))
     return result
 
 

@@ -7,15 +7,13 @@ SFT with vs without activation checkpointing. Run alone with ``python -m benchma
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from benchmarks._results import write_results  # noqa: E402
 # On a GPU the measured peak should sit within this share of the prediction.
 MEASURED_TOLERANCE = 0.10
 
@@ -163,11 +161,8 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
     }
     result["report_rows"] = report_rows(estimates)
     if write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         stem = f"estimates_{device}" + ("_quick" if quick else "")
-        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-        (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
-        result["written"] = [str(RESULTS_DIR / f"{stem}.md"), str(RESULTS_DIR / f"{stem}.json")]
+        result["written"] = write_results(stem, result, to_markdown(result))
     return result
 
 

@@ -9,7 +9,6 @@ Run ``python benchmarks/intuitor.py [--quick]`` or call :func:`run`.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -25,7 +24,7 @@ if __package__ in (None, ""):  # `python benchmarks/intuitor.py` from a checkout
 from lit_memopt.memory.fake import fake_mode, peak_during  # noqa: E402
 from lit_memopt.ops import linear_logprobs, linear_self_certainty, ppo_clip_loss  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from benchmarks._results import write_results  # noqa: E402
 MODEL_CONF = Path(__file__).resolve().parents[1] / "conf" / "model" / "qwen2_5_1_5b.yaml"
 BATCH, TOKENS = 64, 6144  # the setting: 64 responses of 6144 tokens
 MICRO_BATCH = 8  # one prompt's group of responses per backward (the paper's G is 7-8)
@@ -243,11 +242,7 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
         "time_cpu": measure_time(CPU_SHAPE_QUICK if quick else CPU_SHAPE, reps=2 if quick else 3),
     }
     if write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        stem = "intuitor_cpu" + ("_quick" if quick else "")
-        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
-        result["written"] = [str(RESULTS_DIR / f"{stem}.md"), str(RESULTS_DIR / f"{stem}.json")]
+        result["written"] = write_results("intuitor_cpu" + ("_quick" if quick else ""), result, to_markdown(result))
     return result
 
 

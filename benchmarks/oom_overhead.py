@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import statistics
 import sys
@@ -27,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lit_memopt.callbacks import OOMRecovery  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from benchmarks._results import write_results  # noqa: E402
 CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny_qwen3.yaml"
 OVERHEAD_TARGET = 1.02
 BATCH, SEQ = 8, 48
@@ -147,11 +146,7 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
         "passed": overhead <= OVERHEAD_TARGET,
     }
     if write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        stem = "oom_cpu_quick" if quick else "oom_cpu"
-        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2))
-        (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
-        result["written"] = [str(RESULTS_DIR / f"{stem}.json"), str(RESULTS_DIR / f"{stem}.md")]
+        result["written"] = write_results("oom_cpu_quick" if quick else "oom_cpu", result, to_markdown(result))
     return result
 
 

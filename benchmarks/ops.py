@@ -7,7 +7,6 @@ Run ``python benchmarks/ops.py [--quick]`` or call :func:`run`.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -29,7 +28,7 @@ from lit_memopt.ops import (  # noqa: E402
     linear_self_certainty,
 )
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from benchmarks._results import write_results  # noqa: E402
 MEMORY_SHAPE = {"tokens": 8192, "hidden": 2560, "vocab": 151936}  # Qwen3-4B head, 8k tokens
 # --quick: the same head with fewer tokens (fewer row tiles to trace under fake tensors).
 MEMORY_SHAPE_QUICK = {"tokens": 1024, "hidden": 2560, "vocab": 151936}
@@ -327,11 +326,8 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
         result["cuda_note"] = "No CUDA device in this run: the CUDA timing and allocator-peak sections were not measured."
 
     if write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         stem = f"ops_{device_tag}" + ("_quick" if quick else "")
-        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
-        result["written"] = [str(RESULTS_DIR / f"{stem}.md"), str(RESULTS_DIR / f"{stem}.json")]
+        result["written"] = write_results(stem, result, to_markdown(result))
     return result
 
 

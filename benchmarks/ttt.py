@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -35,7 +34,7 @@ from lit_memopt.memory.fake import fake_mode, peak_during  # noqa: E402
 from lit_memopt.models.ttt import TTTConfig, auto_checkpoint_group_size  # noqa: E402
 from lit_memopt.ops import linear_logprobs  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from benchmarks._results import write_results  # noqa: E402
 MEMORY_TARGET = 0.5  # checkpointed peak <= 0.5x of the plain scan's
 TIME_TARGET = 1.25  # checkpointed step time <= 1.25x
 
@@ -309,11 +308,7 @@ def run(quick: bool = False, write: bool = True, full: bool = False, workers: in
         "time_target_met": real_big["time_ratio"]["layer"] <= TIME_TARGET,
     }
     if write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        stem = "ttt_cpu" + ("_quick" if quick else "")
-        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS_DIR / f"{stem}.md").write_text(to_markdown(result))
-        result["written"] = [str(RESULTS_DIR / f"{stem}.md"), str(RESULTS_DIR / f"{stem}.json")]
+        result["written"] = write_results("ttt_cpu" + ("_quick" if quick else ""), result, to_markdown(result))
     return result
 
 
