@@ -1,4 +1,4 @@
-"""Micro-batching pieces behind ``OOMRecovery``: splitting any batch, loss shares, gradient stashing, rank agreement.
+"""Micro-batching pieces behind ``OOMRecovery``: splitting any batch into micro-batches and choosing their sizes.
 
 Nothing here knows about Lightning; ``oom_recovery.py`` wires it into the training loop.
 """
@@ -6,11 +6,10 @@ Nothing here knows about Lightning; ``oom_recovery.py`` wires it into the traini
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 __all__ = [
     "infer_batch_size",
@@ -19,8 +18,7 @@ __all__ = [
     "per_sample_tokens",
     "shrink_size",
     "grow_size",
-    "RankAgreement",
-    "all_reduce_gradients",
+    "call_with_autocast_disabled",
 ]
 
 
@@ -170,80 +168,7 @@ def grow_size(current: int, batch_size: int, policy: str) -> int:
     return min(batch_size, current * 2)
 
 
-# ------------------------------------------------------------------------------- distributed
-class RankAgreement:
-    """Element-wise MAX over all ranks of a few integers: how every rank takes the same decision.
-
-    A no-op (returns its input) in a single process. Every call is one ``all_reduce``; callers must
-    make the same calls in the same order on every rank.
-    """
-
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.device = device
-        self.enabled = enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-    def max(self, *values: int) -> list[int]:
-        if not self.enabled:
-            return [int(v) for v in values]
-        flags = torch.tensor(values, dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [int(v) for v in flags.tolist()]
-
-
-def all_reduce_gradients(params: Sequence[torch.nn.Parameter], device: torch.device, bucket_bytes: int = 25 * 2**20) -> None:
-    """Average ``p.grad`` over all ranks, in buckets, in the same order on every rank (what DDP's reducer does).
-
-    A parameter with a gradient on some ranks but not others gets zeros on the others first, so
-    every rank issues the same collectives even when a parameter went unused locally.
-    """
-    world = dist.get_world_size()
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
-    dist.all_reduce(present, op=dist.ReduceOp.MAX)
-    grads: list[torch.Tensor] = []
-    for p, used in zip(params, present.tolist()):
-        if not used:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    sparse = [g for g in grads if g.is_sparse]
-    for g in sparse:
-        dist.all_reduce(g)
-        g.div_(world)
-    dense = [g for g in grads if not g.is_sparse]
-    # Buckets of one dtype/device, flattened so one collective carries many small gradients.
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for g in dense:
-        groups.setdefault((g.dtype, g.device), []).append(g)
-    for tensors in groups.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in tensors:
-            nbytes = g.numel() * g.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                _reduce_bucket(bucket, world)
-                bucket, size = [], 0
-            bucket.append(g)
-            size += nbytes
-        if bucket:
-            _reduce_bucket(bucket, world)
-
-
-def _reduce_bucket(bucket: list[torch.Tensor], world: int) -> None:
-    if len(bucket) == 1:
-        dist.all_reduce(bucket[0])
-        bucket[0].div_(world)
-        return
-    flat = torch.cat([g.reshape(-1) for g in bucket])
-    dist.all_reduce(flat)
-    flat.div_(world)
-    offset = 0
-    for g in bucket:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
-
-
+# ------------------------------------------------------------------------------- autocast
 def call_with_autocast_disabled(fn: Callable[[], Any], device_type: str) -> Any:
     """Run ``fn`` with autocast off for ``device_type``: backward must not run under the forward's autocast."""
     if device_type in ("cuda", "cpu", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device_type):

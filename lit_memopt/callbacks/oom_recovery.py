@@ -2,47 +2,37 @@
 
 The loader batch stays one optimizer step; it is split into micro-batches whose size shrinks on
 an OOM (the same samples are retried) and grows back when memory allows, on every rank alike.
+
+This file wires Lightning's hooks. The pieces it runs, each readable alone:
+``_micro_batch_loop`` (the loop), ``_size_policy`` (sizes, back-off, state), ``_log_replay``
+(``self.log`` inside the step), ``_optimizer_retry`` (an OOM in ``optimizer.step``),
+``_gradient_sync`` (single device / DDP / FSDP2) and ``_rank_agreement`` (how ranks decide together).
 """
 
 from __future__ import annotations
 
 import functools
-import gc
-import inspect
-import types
-from collections.abc import Mapping
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lit_memopt.callbacks._micro_batching import (
-    RankAgreement,
-    all_reduce_gradients,
-    call_with_autocast_disabled,
-    grow_size,
-    infer_batch_size,
-    micro_batch_bounds,
-    per_sample_tokens,
-    shrink_size,
-    slice_batch,
+from lit_memopt.callbacks._gradient_sync import GradientSync, SingleDeviceSync, select_gradient_sync
+from lit_memopt.callbacks._log_replay import LogReplay
+from lit_memopt.callbacks._micro_batch_loop import (
+    LOSS_WEIGHTINGS,
+    SplitOptions,
+    empty_cache,
+    run_attempt,
+    split_batch,
 )
-from lit_memopt.memory.oom import is_oom_error
+from lit_memopt.callbacks._micro_batching import per_sample_tokens
+from lit_memopt.callbacks._optimizer_retry import OptimizerStepRetry
+from lit_memopt.callbacks._rank_agreement import ERROR, OK, RankAgreement
+from lit_memopt.callbacks._size_policy import SHRINK_POLICIES, MicroBatchSizePolicy
 
 __all__ = ["OOMRecovery", "OOMRecoveryError"]
-
-# Status codes exchanged between ranks (element-wise MAX: the worst outcome wins).
-_OK, _OOM, _ERROR = 0, 1, 2
-_PHASES = {0: "unknown", 1: "forward", 2: "backward", 3: "optimizer"}
-_PHASE_CODES = {v: k for k, v in _PHASES.items()}
-_SHRINK_POLICIES = ("halve", "divisor")
-_LOSS_WEIGHTINGS = ("samples", "tokens", "none")
-_MAX_BACKOFF_EXPONENT = 10
-
 
 # Share of free memory kept in reserve when sizing the first micro-batch from an estimate.
 DEFAULT_ESTIMATE_MARGIN = 0.1
@@ -71,15 +61,23 @@ class OOMRecovery(Callback):
 
     Works with automatic optimization for any unchanged ``LightningModule`` (its ``training_step``
     is wrapped at ``setup``), with ``accumulate_grad_batches``, ``precision="bf16-mixed"`` and
-    ``"16-mixed"`` (the ``GradScaler`` scales every micro-batch), and with single-device and DDP
-    strategies (under any other strategy it warns at ``setup`` and stays inactive). Manual
-    optimization opts in with :meth:`run_micro_batches`.
+    ``"16-mixed"`` (the ``GradScaler`` scales every micro-batch), and with single-device, DDP and
+    FSDP2 (Lightning's ``ModelParallelStrategy`` with data parallelism, ``fully_shard`` in
+    ``configure_model``) strategies. Under DeepSpeed, FSDP1 or tensor parallelism it says in one line
+    why at ``setup`` and stays inactive. Manual optimization opts in with :meth:`run_micro_batches`.
 
     DDP: every decision is taken by all ranks together through one small ``all_reduce`` (MAX) per
     micro-batch attempt, issued in the same order by every rank, so an OOM on one rank only neither
     hangs nor desynchronises the others. Micro-batch backward passes never synchronise; gradients
     are averaged once per optimizer step by this callback (in buckets, like DDP's reducer; DDP's own
     reducer and communication hooks are bypassed and buffers are broadcast from rank 0 each batch).
+
+    FSDP2: every FSDP all-gather and reduce-scatter is preceded by the same agreement (guarded
+    collectives installed with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``), so a rank
+    that fails mid-forward or mid-backward is met by the others at their next collective instead of
+    leaving them inside it. After a failed attempt the FSDP roots are reset (``reset_iter_state``) and
+    the unsharded gradient buffers dropped; gradients stay reduce-scattered per micro-batch. The
+    strategy-specific parts live in ``lit_memopt/callbacks/_gradient_sync.py``.
 
     Batches may be tensors, dicts, ``BatchEncoding``, (named) tuples, lists, dataclasses, nested,
     and lists of non-tensor items of batch length; other structures need ``split_fn``.
@@ -160,14 +158,14 @@ class OOMRecovery(Callback):
                 f"OOMRecovery: initial_micro_batch_size ({initial_micro_batch_size}) must be >= "
                 f"min_micro_batch_size ({min_micro_batch_size})"
             )
-        if shrink not in _SHRINK_POLICIES:
-            raise ValueError(f"OOMRecovery: shrink must be one of {_SHRINK_POLICIES}, got {shrink!r}")
+        if shrink not in SHRINK_POLICIES:
+            raise ValueError(f"OOMRecovery: shrink must be one of {SHRINK_POLICIES}, got {shrink!r}")
         if grow_after_steps is not None and (not isinstance(grow_after_steps, int) or grow_after_steps < 1):
             raise ValueError(f"OOMRecovery: grow_after_steps must be None or an int >= 1, got {grow_after_steps!r}")
         if not isinstance(max_memory_fraction, (int, float)) or not 0.0 < max_memory_fraction <= 1.0:
             raise ValueError(f"OOMRecovery: max_memory_fraction must be in (0, 1], got {max_memory_fraction!r}")
-        if loss_weighting not in _LOSS_WEIGHTINGS:
-            raise ValueError(f"OOMRecovery: loss_weighting must be one of {_LOSS_WEIGHTINGS}, got {loss_weighting!r}")
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"OOMRecovery: loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
         if loss_weighting == "tokens" and (not isinstance(token_mask_key, str) or not token_mask_key):
             raise ValueError(f"OOMRecovery: token_mask_key must be a non-empty str, got {token_mask_key!r}")
         for name, fn in (("split_fn", split_fn), ("batch_size_fn", batch_size_fn)):
@@ -187,35 +185,69 @@ class OOMRecovery(Callback):
         self.retry_optimizer_step = retry_optimizer_step
         self.log_metrics = log_metrics
 
-        # --- state that survives a restart (state_dict) ---
-        # None: the whole batch ("estimate" is resolved on the first batch)
-        self.micro_batch_size: int | None = initial_micro_batch_size if isinstance(initial_micro_batch_size, int) else None
-        self.oom_events = 0
-        self.events: list[dict[str, Any]] = []  # one per OOM seen (recovered or not)
-        self.history: list[dict[str, Any]] = []  # one per micro-batch size change
-        self._clean_batches = 0
-        self._grow_failures = 0
-        self._grow_wait = grow_after_steps or 0
+        # State that survives a restart lives in the policy (state_dict below).
+        self.policy = MicroBatchSizePolicy(
+            initial_micro_batch_size if isinstance(initial_micro_batch_size, int) else None,
+            min_micro_batch_size, max_micro_batch_size, shrink, grow_after_steps, self.max_memory_fraction,
+        )
+        self.policy.on_change = self._notify_size_change
+        self.policy.on_oom = self._notify_oom
         self._initial_resolved = initial_micro_batch_size is None or isinstance(initial_micro_batch_size, int)
+        self._split_options = SplitOptions(loss_weighting, split_fn, batch_size_fn)
 
         # --- per-run wiring ---
         self._module: LightningModule | None = None
         self._trainer: Trainer | None = None
         self._originals: dict[str, Any] = {}
-        self._patched_optimizers: list[tuple[torch.optim.Optimizer, Any]] = []
+        self._original_backward: Callable[..., Any] | None = None
         self._pending_grads: list[torch.Tensor | None] | None = None
         self._pending_sync = False
-        self._ddp = False
         self._agree = RankAgreement(torch.device("cpu"), enabled=False)
+        self._sync: GradientSync = SingleDeviceSync(self._agree)
+        self._optimizer_retry = OptimizerStepRetry(
+            agree=lambda: self._agree, on_oom=self._record_optimizer_oom, fatal=self._optimizer_fatal_message,
+            error_type=OOMRecoveryError, free_memory=empty_cache, current_step=self._current_step,
+        )
+        self._log_replay = LogReplay()
         self._last_effective_size: int | None = None
-        self._cuda_last: tuple[int, int, int, int] | None = None  # (base, peak, micro size, device index) of the last clean batch
-        self._cuda_base = 0
-        self._log_signature: inspect.Signature | None = None
-        self._original_backward: Callable[..., Any] | None = None
         self._last_written: tuple[float, float] | None = None
         self._batch_step = 0
         self._disabled = False
-        self._ddp_model: Any = None
+
+    # Public views of the policy's state (read by users, tests and MemoryMonitor).
+    @property
+    def micro_batch_size(self) -> int | None:
+        return self.policy.micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int | None) -> None:
+        self.policy.micro_batch_size = value
+
+    @property
+    def oom_events(self) -> int:
+        return self.policy.oom_events
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.policy.events
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.policy.history
+
+    @property
+    def _grow_wait(self) -> int:
+        # Clean batches the policy waits for before the next growth try (tests shorten it).
+        return self.policy.grow_wait
+
+    @_grow_wait.setter
+    def _grow_wait(self, value: int) -> None:
+        self.policy.grow_wait = value
+
+    @property
+    def gradient_sync(self) -> str:
+        """The active backend: ``"single device"``, ``"DDP"`` or ``"FSDP2"``."""
+        return self._sync.name
 
     @staticmethod
     def _validate_initial(value: Any) -> None:
@@ -230,13 +262,15 @@ class OOMRecovery(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        problem = self._unsupported_strategy(trainer)
-        self._disabled = problem is not None
-        if problem is not None:
+        self._agree = RankAgreement(getattr(trainer.strategy, "root_device", torch.device("cpu")), enabled=True)
+        sync = select_gradient_sync(trainer, self._agree)
+        self._disabled = isinstance(sync, str)
+        if isinstance(sync, str):
             # A warning, not an error: OOMRecovery is in the default callbacks, and a recipe run with
-            # a sharded strategy should still train (without micro-batching).
-            rank_zero_warn(problem)
+            # an unsupported strategy should still train (without micro-batching).
+            rank_zero_warn(sync)
             return
+        self._sync = sync
         self._trainer, self._module = trainer, pl_module
         self._last_written = None  # every fit writes its first row
         self._install_module_wrappers(pl_module)
@@ -244,10 +278,13 @@ class OOMRecovery(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._disabled:
             return
-        self._ddp = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
-        self._agree = RankAgreement(pl_module.device, enabled=self._ddp)
-        self._bypass_ddp_reducer(trainer)
-        self._patch_optimizers(trainer)
+        # The strategy has set the model up by now (DDP wrapper, FSDP2 shards): attach to it.
+        self._agree.device = pl_module.device
+        self._sync.attach(trainer, pl_module)
+        if self._sync.name != "single device":
+            rank_zero_info(f"OOMRecovery: {self._sync.name} gradient sync; ranks agree before every collective that can fail")
+        if self.retry_optimizer_step:
+            self._optimizer_retry.patch(trainer.optimizers)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_step = trainer.global_step
@@ -258,7 +295,7 @@ class OOMRecovery(Callback):
         size = self._last_effective_size
         if size is None:
             try:
-                size = self.micro_batch_size or self._batch_size(batch)
+                size = self.micro_batch_size or self._split_options.batch_size(batch)
             except ValueError:
                 size = self.micro_batch_size or 0
         pl_module.log("memopt/micro_batch_size", float(size), on_step=True, on_epoch=False, batch_size=1)
@@ -279,55 +316,45 @@ class OOMRecovery(Callback):
         if stage != "fit":
             return
         self._uninstall_module_wrappers()
-        for optimizer, previous in self._patched_optimizers:
-            if previous is None:
-                optimizer.__dict__.pop("step", None)
-            else:
-                optimizer.step = previous
-        self._patched_optimizers.clear()
-        if self._ddp_model is not None:
-            self._ddp_model.require_backward_grad_sync = True
-            self._ddp_model = None
+        self._optimizer_retry.unpatch()
+        self._sync.detach()
         self._pending_grads = None
         self._trainer = self._module = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "oom_events": self.oom_events,
-            "events": [dict(e) for e in self.events],
-            "history": [dict(h) for h in self.history],
-            "clean_batches": self._clean_batches,
-            "grow_failures": self._grow_failures,
-            "grow_wait": self._grow_wait,
-            "initial_resolved": self._initial_resolved,
-        }
+        return {**self.policy.state_dict(), "initial_resolved": self._initial_resolved}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.micro_batch_size = state_dict.get("micro_batch_size", self.micro_batch_size)
-        self.oom_events = int(state_dict.get("oom_events", 0))
-        self.events = [dict(e) for e in state_dict.get("events", [])]
-        self.history = [dict(h) for h in state_dict.get("history", [])]
-        self._clean_batches = int(state_dict.get("clean_batches", 0))
-        self._grow_failures = int(state_dict.get("grow_failures", 0))
-        self._grow_wait = int(state_dict.get("grow_wait", self.grow_after_steps or 0))
+        self.policy.load_state_dict(state_dict)
         self._initial_resolved = bool(state_dict.get("initial_resolved", self.micro_batch_size is not None))
         if self.micro_batch_size is not None:
             rank_zero_info(f"OOMRecovery: resuming with micro-batch size {self.micro_batch_size} ({self.oom_events} OOMs so far)")
 
     # ================================================================== manual optimization
     @staticmethod
-    def run_micro_batches(module: LightningModule, batch: Any, step_fn: Callable[[Any], torch.Tensor | None]) -> torch.Tensor | None:
+    def run_micro_batches(
+        module: LightningModule,
+        batch: Any,
+        step_fn: Callable[[Any], torch.Tensor | None],
+        sample_weights: Sequence[float] | torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Forward and backward ``batch`` in micro-batches for a module with manual optimization.
 
-        ``step_fn(micro_batch)`` returns the loss of a micro-batch (a mean over its samples/tokens, as
-        for the whole batch); this helper scales it by the micro-batch's share, runs
-        ``module.manual_backward`` on it and, on an OOM, frees the attempt's gradients (keeping
-        those from before the call), shrinks the micro-batch and retries the same samples. Under
-        DDP the new gradients are averaged over ranks before returning. Without an ``OOMRecovery``
-        in ``module.trainer.callbacks`` it runs the whole batch once. Call ``zero_grad`` before and
+        ``step_fn(micro_batch)`` returns the loss of a micro-batch, normalised as the whole batch's
+        loss is: a mean over its samples, or over its tokens, or a sum. This helper scales it by the
+        micro-batch's share, runs ``module.manual_backward`` on it and, on an OOM, frees the attempt's
+        gradients (keeping those from before the call), shrinks the micro-batch and retries the same
+        samples. Under DDP the new gradients are averaged over ranks before returning; under FSDP2
+        they were reduce-scattered in backward. Without an ``OOMRecovery`` in
+        ``module.trainer.callbacks`` it runs the whole batch once. Call ``zero_grad`` before and
         ``step`` after it, as usual.
+
+        Args:
+            sample_weights: how much each sample counts in the batch's loss: ``None`` takes the
+                callback's ``loss_weighting``; per-sample token counts for a token-mean loss, ones for a
+                sample-mean loss. Shares are ``sum(weights[micro]) / sum(weights)``, so the split step
+                equals the unsplit one whatever the callback's configuration.
 
         Returns:
             the whole-batch loss (detached), or ``None`` when ``step_fn`` returned ``None`` throughout.
@@ -348,7 +375,10 @@ class OOMRecovery(Callback):
                 module.manual_backward(loss)
                 return loss.detach()
             return None
-        loss, _ = callback._run_step(module, batch, batch_idx=-1, compute=step_fn, mode="manual")
+        weights = None
+        if sample_weights is not None:
+            weights = torch.as_tensor(sample_weights, dtype=torch.float64).reshape(-1).cpu()
+        loss, _ = callback._run_step(module, batch, batch_idx=-1, compute=step_fn, mode="manual", weights=weights)
         return loss
 
     @staticmethod
@@ -360,25 +390,6 @@ class OOMRecovery(Callback):
         return None
 
     # ================================================================== wiring
-    @staticmethod
-    def _unsupported_strategy(trainer: Trainer) -> str | None:
-        """Why OOMRecovery cannot run under this trainer's strategy, or ``None`` when it can."""
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-        strategy = trainer.strategy
-        supported = isinstance(strategy, SingleDeviceStrategy) or (
-            isinstance(strategy, DDPStrategy)
-            and not strategy.handles_gradient_accumulation
-            and "deepspeed" not in type(strategy).__name__.lower()
-        )
-        if supported:
-            return None
-        return (
-            f"OOMRecovery supports the single-device and DDP strategies (strategy='auto'|'ddp'|'ddp_spawn'), "
-            f"got {type(strategy).__name__}: it is disabled for this run. Sharded strategies (FSDP, DeepSpeed) "
-            "manage gradients themselves; remove OOMRecovery from the callbacks to silence this warning."
-        )
-
     def _install_module_wrappers(self, module: LightningModule) -> None:
         if self._originals:
             return
@@ -424,35 +435,7 @@ class OOMRecovery(Callback):
                 setattr(module, name, previous)
         self._originals = {}
 
-    def _bypass_ddp_reducer(self, trainer: Trainer) -> None:
-        if not self._ddp:
-            return
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = trainer.strategy.model
-        if isinstance(model, DistributedDataParallel):
-            # Gradients are averaged by this callback once all micro-batches of all ranks succeeded;
-            # the reducer would start collectives inside a backward that may still OOM on one rank.
-            if self._ddp_model is None:
-                self._ddp_model = model
-            model.require_backward_grad_sync = False
-
-    def _patch_optimizers(self, trainer: Trainer) -> None:
-        if not self.retry_optimizer_step or self._patched_optimizers:
-            return
-        for optimizer in trainer.optimizers:
-            if isinstance(optimizer, torch.optim.LBFGS):
-                rank_zero_warn("OOMRecovery: LBFGS re-evaluates its closure; optimizer-step OOMs are not retried for it.")
-                continue
-            previous = optimizer.__dict__.get("step")
-            inner = optimizer.step  # bound; may already be an LR scheduler's counting wrapper
-            optimizer.step = types.MethodType(self._guarded_step_function(inner), optimizer)  # type: ignore[method-assign]
-            self._patched_optimizers.append((optimizer, previous))
-
-    # ================================================================== the micro-batch loop
-    def _batch_size(self, batch: Any) -> int:
-        return int(self.batch_size_fn(batch)) if self.batch_size_fn is not None else infer_batch_size(batch)
-
+    # ================================================================== one batch
     def _resolve_initial_micro_batch_size(self, trainer: Trainer, module: LightningModule, batch: Any, batch_size: int) -> int | None:
         """The size the first batch starts with; ``"estimate"`` sizes it from a fake-tensor estimate.
 
@@ -468,8 +451,8 @@ class OOMRecovery(Callback):
         except EstimateError as exc:
             rank_zero_warn(f"OOMRecovery: initial_micro_batch_size='estimate' cannot size this step ({exc}); starting with the whole batch.")
             size = batch_size
-        (negated,) = self._agree.max(-int(size))
-        size = max(self.min_micro_batch_size, min(-negated, batch_size))
+        (size,) = self._agree.min(int(size))
+        size = max(self.min_micro_batch_size, min(size, batch_size))
         rank_zero_info(f"OOMRecovery: estimated starting micro-batch size {size} of {batch_size}")
         return None if size >= batch_size else size
 
@@ -480,7 +463,8 @@ class OOMRecovery(Callback):
 
         return int(memory_snapshot(module.device).free_bytes)
 
-    def _params(self, module: LightningModule) -> list[torch.nn.Parameter]:
+    @staticmethod
+    def _params(module: LightningModule) -> list[torch.nn.Parameter]:
         return [p for p in module.parameters() if p.requires_grad]
 
     def _run_step(
@@ -490,19 +474,27 @@ class OOMRecovery(Callback):
         batch_idx: int,
         compute: Callable[[Any], Any],
         mode: str,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, Any]:
         trainer = module.trainer
-        batch_size = self._batch_size(batch)
+        batch_size = self._split_options.batch_size(batch)
         # Sizes are decided from the largest batch over ranks, so that every rank takes the same
         # decisions (and issues the same collectives) even when the last batches differ in size.
         (global_batch_size,) = self._agree.max(batch_size)
         if not self._initial_resolved:
             self.micro_batch_size = self._resolve_initial_micro_batch_size(trainer, module, batch, global_batch_size)
             self._initial_resolved = True
-        if self._ddp:
-            self._bypass_ddp_reducer(trainer)
-            self._broadcast_buffers(trainer, module)
-        tokens = per_sample_tokens(batch, self.token_mask_key) if self.loss_weighting == "tokens" else None
+        self._sync.before_batch(trainer, module)
+        options = self._split_options
+        if weights is not None:
+            if weights.numel() != batch_size:
+                raise ValueError(
+                    f"OOMRecovery.run_micro_batches: sample_weights has {weights.numel()} entries for a batch of "
+                    f"{batch_size} samples; give one weight per sample"
+                )
+            options = SplitOptions("tokens", options.split_fn, options.batch_size_fn)
+        elif self.loss_weighting == "tokens":
+            weights = per_sample_tokens(batch, self.token_mask_key)
         normalize = trainer.accumulate_grad_batches if mode == "automatic" else 1
         params = self._params(module)
         if mode == "automatic" and batch_idx % trainer.accumulate_grad_batches == 0:
@@ -515,244 +507,60 @@ class OOMRecovery(Callback):
         stash = [p.grad for p in params]
         for p in params:
             p.grad = None
+        backward = self._original_backward if mode == "automatic" else module.manual_backward
+        cuda_peak_reset = _memory_monitor(trainer) is None  # MemoryMonitor resets peaks per phase itself
 
-        size, grow_from = self._plan_size(trainer, global_batch_size)
+        size, grow_from = self.policy.plan(global_batch_size, self._agree)
         had_oom = False
         while True:
-            self._cuda_measure_start(module.device)
-            local_size = min(size, batch_size)
-            status, phase, message, result = self._attempt(module, batch, batch_size, local_size, tokens, normalize, compute)
-            if status == _OK:
+            self.policy.measure_start(module.device, reset_peak=cuda_peak_reset)
+            micro_batches, shares = split_batch(batch, batch_size, min(size, batch_size), weights, options)
+            attempt = run_attempt(module, micro_batches, shares, normalize, compute, backward, self._agree, self._sync)
+            if attempt.status == OK:
                 break
-            self._free_attempt(params, trainer)
-            if status == _ERROR:
-                self._restore(params, stash)
-                if isinstance(result, BaseException):
-                    raise result
+            self._free_attempt(params, trainer, module)
+            if attempt.status == ERROR:
+                _restore(params, stash)
+                if attempt.error is not None:
+                    raise attempt.error
                 raise OOMRecoveryError(
                     f"OOMRecovery: another rank failed with an error at step {trainer.global_step}; stopping this rank too."
                 )
             had_oom = True
-            self._record_oom(trainer, phase, size, message)
+            self.policy.record_oom(trainer.global_step, attempt.phase, size, attempt.message)
             if grow_from is not None:
-                size = self._growth_failed(trainer, size, grow_from)
-                grow_from = None
+                size, grow_from = self.policy.growth_failed(trainer.global_step, size, grow_from), None
                 continue
-            if size <= self.min_micro_batch_size or (size <= 1):
-                self._restore(params, stash)
-                raise OOMRecoveryError(self._fatal_message(trainer, module, phase, size, message))
-            new_size = max(self.min_micro_batch_size, shrink_size(size, global_batch_size, self.shrink))
-            self._set_size(trainer, size, new_size, "oom")
-            size = new_size
+            if not self.policy.can_shrink(size):
+                _restore(params, stash)
+                raise OOMRecoveryError(self._fatal_message(trainer, module, attempt.phase, size, attempt.message))
+            size = self.policy.shrunk(size, global_batch_size, trainer.global_step)
 
-        total_loss, output, logs = result
         new_grads = [p.grad for p in params]
-        self._restore(params, stash)
-        self._after_success(trainer, module, size, min(size, batch_size), grow_from, had_oom)
-        self._replay_logs(module, logs)
+        _restore(params, stash)
+        self._last_effective_size = min(size, batch_size)
+        self.policy.measure_end(module.device, self._last_effective_size)
+        self.policy.succeeded(trainer.global_step, size, grow_from, had_oom)
+        self._log_replay.replay(module, attempt.logs or [])
         if mode == "manual":
-            self._add_grads(params, new_grads, sync=self._ddp, device=module.device)
-        elif total_loss is not None:
+            self._add_grads(params, new_grads, average=self._sync.averages_after_step, device=module.device)
+        elif attempt.loss is not None:
             self._pending_grads = new_grads
-            self._pending_sync = self._ddp and not self._should_accumulate(trainer, batch_idx)
+            self._pending_sync = self._sync.averages_after_step and not _should_accumulate(trainer)
         else:
             # Every micro-batch returned None: Lightning skips backward, so there is nothing to hand over.
             self._pending_grads = None
-        return total_loss, output
-
-    def _attempt(
-        self,
-        module: LightningModule,
-        batch: Any,
-        batch_size: int,
-        size: int,
-        tokens: torch.Tensor | None,
-        normalize: int,
-        compute: Callable[[Any], Any],
-    ) -> tuple[int, str, str, Any]:
-        """Run every micro-batch at ``size``; stop at the first failure on any rank."""
-        micro_batches, shares = self._split(batch, batch_size, size, tokens)
-        (count,) = self._agree.max(len(micro_batches))
-        scaler = getattr(module.trainer.precision_plugin, "scaler", None)
-        device_type = module.device.type
-        total: torch.Tensor | None = None
-        outputs: list[tuple[Any, float]] = []
-        logs: list[tuple[float, list[tuple[str, Any, tuple, dict]]]] = []
-        for i in range(count):
-            status, phase_code, message, error = _OK, 0, "", None
-            if i < len(micro_batches):
-                micro, share = micro_batches[i], shares[i]
-                sink: list[tuple[str, Any, tuple, dict]] = []
-                phase_code = _PHASE_CODES["forward"]
-                out = loss = scaled = None
-                try:
-                    with self._capture_logs(module, sink):
-                        out = compute(micro)
-                    loss = self._loss_of(out)
-                    if loss is not None:
-                        phase_code = _PHASE_CODES["backward"]
-                        scaled = loss * (share / normalize)
-                        if module.automatic_optimization:
-                            if scaler is not None:
-                                scaled = scaler.scale(scaled)
-                            call_with_autocast_disabled(lambda: self._original_backward(scaled), device_type)
-                        else:
-                            call_with_autocast_disabled(lambda: module.manual_backward(scaled), device_type)
-                        contribution = loss.detach() * share
-                        total = contribution if total is None else total + contribution
-                    outputs.append((self._detach_output(out), share))
-                    logs.append((share, sink))
-                except Exception as e:  # noqa: BLE001 - classified right below, re-raised if not an OOM
-                    if is_oom_error(e):
-                        status, message = _OOM, str(e).strip().splitlines()[0][:500] if str(e).strip() else repr(e)
-                    else:
-                        status, error = _ERROR, e
-                # Outside the except block: the OOM's traceback (and the frames holding activations)
-                # is gone; drop this attempt's tensors before anything else allocates.
-                out = loss = scaled = None
-            # Only a failing rank names a phase: the MAX then carries the failing phase to every rank.
-            status, phase_code = self._agree.max(status, phase_code if status != _OK else 0)
-            if status != _OK:
-                return status, _PHASES.get(phase_code, "unknown"), message or "OOM on another rank", error
-        return _OK, "", "", (total, self._combine_outputs(outputs, total, normalize), logs)
-
-    def _split(self, batch: Any, batch_size: int, size: int, tokens: torch.Tensor | None) -> tuple[list[Any], list[float]]:
-        if self.split_fn is not None:
-            micro_batches = list(self.split_fn(batch, size))
-            sizes = [self._batch_size(mb) for mb in micro_batches]
-            if sum(sizes) != batch_size:
-                raise ValueError(
-                    f"OOMRecovery: split_fn returned micro-batches of {sizes} samples for a batch of {batch_size}; "
-                    "they must cover every sample exactly once"
-                )
-            bounds, start = [], 0
-            for n in sizes:
-                bounds.append((start, start + n))
-                start += n
-        else:
-            bounds = micro_batch_bounds(batch_size, size)
-            micro_batches = [slice_batch(batch, s, e, batch_size) if (s, e) != (0, batch_size) else batch for s, e in bounds]
-        if self.loss_weighting == "none":
-            shares = [1.0] * len(bounds)
-        elif self.loss_weighting == "tokens" and tokens is not None and int(tokens.sum()) > 0:
-            total = float(tokens.sum())
-            shares = [float(tokens[s:e].sum()) / total for s, e in bounds]
-        else:
-            shares = [(e - s) / batch_size for s, e in bounds]
-        return micro_batches, shares
-
-    @staticmethod
-    def _loss_of(output: Any) -> torch.Tensor | None:
-        if output is None:
-            return None
-        if isinstance(output, torch.Tensor):
-            return output
-        if isinstance(output, Mapping):
-            if "loss" not in output:
-                raise MisconfigurationException("training_step returned a dict without a 'loss' key")
-            return output["loss"]
-        raise MisconfigurationException(
-            f"training_step must return a Tensor, a dict with 'loss', or None; got {type(output).__name__}"
-        )
-
-    @staticmethod
-    def _detach_output(output: Any) -> Any:
-        if isinstance(output, Mapping):
-            return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items()}
-        return None if output is None else True
-
-    @staticmethod
-    def _combine_outputs(outputs: list[tuple[Any, float]], total: torch.Tensor | None, normalize: int) -> Any:
-        if total is None:
-            return None
-        dicts = [(o, s) for o, s in outputs if isinstance(o, Mapping)]
-        if not dicts:
-            return total
-        combined: dict[str, Any] = {"loss": total}
-        for key in dicts[-1][0]:
-            if key == "loss":
-                continue
-            values = [(o[key], s) for o, s in dicts if key in o]
-            if all(isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point() for v, _ in values):
-                weight = sum(s for _, s in values)
-                combined[key] = sum(v * s for v, s in values) / weight
-            else:
-                combined[key] = values[-1][0]
-        return combined
-
-    # ------------------------------------------------------------------ logging inside the step
-    @contextmanager
-    def _capture_logs(self, module: LightningModule, sink: list) -> Iterator[None]:
-        previous = module.__dict__.get("log")
-
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            sink.append((name, value, args, kwargs))
-
-        module.log = log  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            if previous is None:
-                module.__dict__.pop("log", None)
-            else:
-                module.log = previous  # type: ignore[method-assign]
-
-    def _replay_logs(self, module: LightningModule, logs: list[tuple[float, list]]) -> None:
-        if not any(sink for _, sink in logs):
-            return
-        names: dict[str, list[tuple[Any, float, tuple, dict]]] = {}
-        for share, sink in logs:
-            for name, value, args, kwargs in sink:
-                names.setdefault(name, []).append((value, share, args, kwargs))
-        for name, calls in names.items():
-            value, _, args, kwargs = calls[-1]
-            if len(calls) == 1:
-                module.log(name, value, *args, **kwargs)  # one micro-batch: nothing to combine
-                continue
-            if self._log_signature is None:
-                self._log_signature = inspect.signature(type(module).log)
-            try:
-                bound = self._log_signature.bind(module, name, value, *args, **kwargs)
-                reduce_fx = bound.arguments.get("reduce_fx", "mean")
-            except TypeError:
-                reduce_fx = "mean"
-            combined = self._reduce_logged([(v, s) for v, s, _, _ in calls], reduce_fx)
-            module.log(name, combined, *args, **kwargs)
-
-    @staticmethod
-    def _reduce_logged(values: list[tuple[Any, float]], reduce_fx: Any) -> Any:
-        last = values[-1][0]
-        if len(values) == 1 or not all(isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool) for v, _ in values):
-            return last  # e.g. a torchmetrics Metric: it accumulated its own state per micro-batch
-        device = last.device if isinstance(last, torch.Tensor) else None
-        tensors = torch.stack([torch.as_tensor(v, device=device).detach().float().reshape(()) for v, _ in values])
-        fx = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
-        if fx == "mean":
-            weights = torch.tensor([s for _, s in values], dtype=tensors.dtype, device=tensors.device)
-            return (tensors * weights).sum() / weights.sum()
-        if fx == "sum":
-            return tensors.sum()
-        if fx in ("max", "amax"):
-            return tensors.max()
-        if fx in ("min", "amin"):
-            return tensors.min()
-        return last
+        return attempt.loss, attempt.output
 
     # ------------------------------------------------------------------ gradients
-    @staticmethod
-    def _restore(params: list[torch.nn.Parameter], stash: list[torch.Tensor | None]) -> None:
-        for p, g in zip(params, stash):
-            p.grad = g
-
-    def _add_grads(self, params: list[torch.nn.Parameter], new_grads: list[torch.Tensor | None], sync: bool, device: torch.device) -> None:
-        if sync:
+    def _add_grads(self, params: list[torch.nn.Parameter], new_grads: list[torch.Tensor | None], average: bool, device: torch.device) -> None:
+        if average:
             # Average only this batch's gradients: earlier accumulated ones were averaged already.
             stash = [p.grad for p in params]
-            for p, g in zip(params, new_grads):
-                p.grad = g
-            all_reduce_gradients(params, device)
+            _restore(params, new_grads)
+            self._sync.average(params, device)
             new_grads = [p.grad for p in params]
-            self._restore(params, stash)
+            _restore(params, stash)
         for p, g in zip(params, new_grads):
             if g is None:
                 continue
@@ -764,179 +572,49 @@ class OOMRecovery(Callback):
     def _deliver_pending_grads(self, module: LightningModule) -> None:
         pending, self._pending_grads = self._pending_grads, None
         params = self._params(module)
-        self._add_grads(params, pending or [], sync=False, device=module.device)
+        self._add_grads(params, pending or [], average=False, device=module.device)
         if self._pending_sync:
-            all_reduce_gradients(params, module.device)
+            self._sync.average(params, module.device)
 
-    @staticmethod
-    def _should_accumulate(trainer: Trainer, batch_idx: int) -> bool:
-        try:
-            return bool(trainer.fit_loop._should_accumulate())
-        except AttributeError:  # pragma: no cover - older/newer loop internals: sync every batch (still exact)
-            return False
-
-    def _broadcast_buffers(self, trainer: Trainer, module: LightningModule) -> None:
-        model = trainer.strategy.model
-        if getattr(model, "broadcast_buffers", False):
-            for buffer in module.buffers():
-                dist.broadcast(buffer, src=0)
-
-    def _free_attempt(self, params: list[torch.nn.Parameter], trainer: Trainer) -> None:
+    def _free_attempt(self, params: list[torch.nn.Parameter], trainer: Trainer, module: LightningModule) -> None:
         for p in params:
             p.grad = None
+        self._sync.after_failed_attempt(module)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and hasattr(scaler, "_per_optimizer_states"):
             # No unscale_ has happened in this step yet; start the step's scaler bookkeeping afresh.
-            from torch.amp.grad_scaler import _refresh_per_optimizer_state
             from collections import defaultdict
 
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
             scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        _empty_cache()
+        empty_cache()
 
-    # ------------------------------------------------------------------ sizes
-    def _size_cap(self, batch_size: int) -> int:
-        return min(batch_size, self.max_micro_batch_size or batch_size)
-
-    def _plan_size(self, trainer: Trainer, batch_size: int) -> tuple[int, int | None]:
-        size = min(self.micro_batch_size or batch_size, batch_size)
-        size = max(size, min(self.min_micro_batch_size, batch_size))
-        if self.grow_after_steps is None or self.micro_batch_size is None:
-            return size, None
-        cap = self._size_cap(batch_size)
-        # Every input here is identical on all ranks, so either all ranks reach the collective or none.
-        if size >= cap or self._clean_batches < self._grow_wait:
-            return size, None
-        target = min(cap, grow_size(size, batch_size, self.shrink))
-        (blocked,) = self._agree.max(0 if self._headroom_allows(size, target) else 1)
-        if blocked:
-            self._clean_batches = 0
-            return size, None
-        return target, size
-
-    def _after_success(
-        self, trainer: Trainer, module: LightningModule, size: int, local_size: int, grow_from: int | None, had_oom: bool
-    ) -> None:
-        self._last_effective_size = local_size
-        self._cuda_measure_end(module.device, local_size)
-        if grow_from is not None:
-            self._set_size(trainer, grow_from, size, "grow")
-            self._clean_batches = 0
-        elif had_oom:
-            self._clean_batches = 0  # a recovered batch is not a clean one
-        else:
-            self._clean_batches += 1
-
-    def _growth_failed(self, trainer: Trainer, tried: int, previous: int) -> int:
-        self._grow_failures += 1
-        self._grow_wait = (self.grow_after_steps or 0) * 2 ** min(self._grow_failures, _MAX_BACKOFF_EXPONENT)
-        self._clean_batches = 0
-        self.history.append({"step": trainer.global_step, "from": tried, "to": previous, "reason": "grow_failed"})
-        rank_zero_info(
-            f"OOMRecovery: growing the micro-batch to {tried} ran out of memory at step {trainer.global_step}; "
-            f"back to {previous}, next try after {self._grow_wait} clean batches"
-        )
-        return previous
-
-    def _set_size(self, trainer: Trainer, old: int, new: int, reason: str) -> None:
-        self.micro_batch_size = new
-        self._clean_batches = 0
-        self.history.append({"step": trainer.global_step, "from": old, "to": new, "reason": reason})
-        rank_zero_info(f"OOMRecovery: micro-batch size {old} -> {new} at step {trainer.global_step} ({reason})")
-        monitor = _memory_monitor(trainer)
+    # ------------------------------------------------------------------ events
+    def _notify_size_change(self, record: dict[str, Any]) -> None:
+        monitor = _memory_monitor(self._trainer) if self._trainer is not None else None
         if monitor is not None:
             monitor.metrics.record_batch_size_change(
-                trainer.global_step, old, new, accumulate_grad_batches=trainer.accumulate_grad_batches, reason=reason
+                record["step"], record["from"], record["to"],
+                accumulate_grad_batches=self._trainer.accumulate_grad_batches, reason=record["reason"],
             )
 
-    def _record_oom(self, trainer: Trainer, phase: str, size: int, message: str) -> None:
-        self.oom_events += 1
-        event = {"step": trainer.global_step, "phase": phase, "micro_batch_size": size, "message": message}
-        self.events.append(event)
-        monitor = _memory_monitor(trainer)
+    def _notify_oom(self, event: dict[str, Any]) -> None:
+        monitor = _memory_monitor(self._trainer) if self._trainer is not None else None
         if monitor is not None:
-            monitor.metrics.record_oom(trainer.global_step, message, rank=trainer.global_rank, phase=phase, batch_size=size)
+            monitor.metrics.record_oom(
+                event["step"], event["message"], rank=self._trainer.global_rank, phase=event["phase"],
+                batch_size=event["micro_batch_size"],
+            )
 
-    # ------------------------------------------------------------------ CUDA headroom
-    def _cuda_measure_start(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            self._cuda_base = torch.cuda.memory_allocated(device)
-            if self._trainer is None or _memory_monitor(self._trainer) is None:
-                # MemoryMonitor resets the peak at each phase itself; the loop is inside its forward phase.
-                torch.cuda.reset_peak_memory_stats(device)
+    def _record_optimizer_oom(self, message: str) -> None:
+        self.policy.record_oom(self._current_step(), "optimizer", self._last_effective_size or 0, message)
 
-    def _cuda_measure_end(self, device: torch.device, size: int) -> None:
-        if device.type == "cuda":
-            self._cuda_last = (self._cuda_base, torch.cuda.max_memory_allocated(device), size, device.index or 0)
+    def _current_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else -1
 
-    def _headroom_allows(self, size: int, target: int) -> bool:
-        if self._cuda_last is None:
-            return True  # no device statistics: try, and step back on OOM
-        base, peak, measured_size, index = self._cuda_last
-        total = torch.cuda.get_device_properties(index).total_memory
-        predicted = base + (peak - base) * target / max(measured_size, 1)
-        return predicted <= self.max_memory_fraction * total
-
-    # ------------------------------------------------------------------ optimizer step
-    def _guarded_step_function(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        callback = self
-
-        def step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-            loss = None
-            if closure is not None:
-                # The closure runs the micro-batch loop (which handles its own OOMs); only the update
-                # itself is guarded below, so a retry never re-runs forward/backward.
-                with torch.enable_grad():
-                    loss = closure()
-            callback._step_with_retry(optimizer, inner, kwargs)
-            return loss
-
-        return step
-
-    def _step_with_retry(self, optimizer: torch.optim.Optimizer, inner: Callable[..., Any], kwargs: dict) -> None:
-        trainer = self._trainer
-        snapshot = _OptimizerSnapshot(optimizer)
-        status, retryable, message, error = self._try_step(inner, kwargs, snapshot)
-        (agreed, any_fatal) = self._agree.max(status, 0 if status != _OOM or retryable else 1)
-        if agreed == _OK:
-            return
-        step = trainer.global_step if trainer is not None else -1
-        if status == _ERROR:
-            raise error  # type: ignore[misc]
-        if agreed == _ERROR:
-            raise OOMRecoveryError(f"OOMRecovery: another rank failed in the optimizer step at step {step}; stopping this rank too.")
-        if status == _OOM and trainer is not None:
-            self._record_oom(trainer, "optimizer", self._last_effective_size or 0, message)
-        if any_fatal:
-            raise OOMRecoveryError(self._optimizer_fatal_message(step, message, retryable=False, local=status == _OOM))
-        # Every failing rank can retry exactly: nothing was updated. Free memory and try once more.
-        if status == _OOM:
-            _empty_cache()
-            status, retryable, message2, error = self._try_step(inner, kwargs, snapshot)
-            message = message2 or message
-        (agreed,) = self._agree.max(status)
-        if agreed == _OK:
-            rank_zero_info(f"OOMRecovery: the optimizer step at step {step} ran out of memory and succeeded on retry")
-            return
-        if status == _ERROR:
-            raise error  # type: ignore[misc]
-        raise OOMRecoveryError(self._optimizer_fatal_message(step, message, retryable=True, local=status == _OOM))
-
-    def _try_step(self, inner: Callable[..., Any], kwargs: dict, snapshot: _OptimizerSnapshot) -> tuple[int, bool, str, Any]:
-        status, message, error = _OK, "", None
-        try:
-            inner(**kwargs)
-        except Exception as e:  # noqa: BLE001 - classified right below
-            if is_oom_error(e):
-                status, message = _OOM, str(e).strip().splitlines()[0][:500] if str(e).strip() else repr(e)
-            else:
-                status, error = _ERROR, e
-        if status != _OOM:
-            return status, False, message, error
-        retryable = not snapshot.modified()
-        snapshot.drop_new_state()
-        return status, retryable, message, None
-
-    def _optimizer_fatal_message(self, step: int, message: str, retryable: bool, local: bool) -> str:
+    # ------------------------------------------------------------------ messages
+    def _optimizer_fatal_message(self, message: str, retryable: bool, local: bool) -> str:
         where = "on this rank" if local else "on another rank"
         why = (
             "it ran out of memory again after freeing memory and retrying"
@@ -945,7 +623,7 @@ class OOMRecovery(Callback):
         )
         device = self._module.device if self._module is not None else torch.device("cpu")
         return (
-            f"OOMRecovery: out of memory in the optimizer step at step {step} {where}; {why}. "
+            f"OOMRecovery: out of memory in the optimizer step at step {self._current_step()} {where}; {why}. "
             f"Memory: {_memory_state(device)}. Error: {message or 'n/a'}. "
             "Micro-batching cannot shrink the optimizer's memory: use an optimizer with less state, "
             "`foreach=False`, or a sharded strategy. Weights are those of the last completed step; "
@@ -963,52 +641,26 @@ class OOMRecovery(Callback):
         )
 
 
-class _OptimizerSnapshot:
-    """Version counters of parameters and optimizer state before a step: tells whether a failed step changed anything."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        self.state_keys = {p: set(s.keys()) for p, s in optimizer.state.items()}
-        self.versions: list[tuple[torch.Tensor, int]] = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                self.versions.append((p, p._version))
-                for v in optimizer.state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor):
-                        self.versions.append((v, v._version))
-
-    def modified(self) -> bool:
-        return any(t._version != v for t, v in self.versions)
-
-    def drop_new_state(self) -> None:
-        """Forget state created by the failed attempt (fresh zeros), so a retry initialises it again."""
-        state = self.optimizer.state
-        for p in list(state.keys()):
-            if p not in self.state_keys:
-                del state[p]
-            else:
-                for key in set(state[p].keys()) - self.state_keys[p]:
-                    del state[p][key]
-
-
 # ---------------------------------------------------------------------------------- helpers
-def _empty_cache() -> None:
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        torch.xpu.empty_cache()
-    if torch.backends.mps.is_available():
-        torch.mps.empty_cache()
+def _restore(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g
 
 
-def _memory_monitor(trainer: Trainer) -> Any:
-    """The MemoryMonitor of this run, if any (found by duck typing: no import dependency)."""
-    for callback in trainer.callbacks:
-        metrics = getattr(callback, "metrics", None)
-        if type(callback).__name__ == "MemoryMonitor" and hasattr(metrics, "record_oom"):
-            return callback
-    return None
+def _should_accumulate(trainer: Trainer) -> bool:
+    try:
+        return bool(trainer.fit_loop._should_accumulate())
+    except AttributeError:  # pragma: no cover - older/newer loop internals: sync every batch (still exact)
+        return False
+
+
+def _memory_monitor(trainer: Trainer | None) -> Any:
+    """The MemoryMonitor of this run, if any."""
+    if trainer is None:
+        return None
+    from lit_memopt.callbacks.memory_monitor import MemoryMonitor
+
+    return MemoryMonitor.find(trainer)
 
 
 def _memory_state(device: torch.device) -> str:
@@ -1031,4 +683,3 @@ def _checkpoint_note(trainer: Trainer | None) -> str:
     if path:
         return f"The last good checkpoint is {path} (not overwritten)."
     return "No checkpoint was written by this failure."
-
