@@ -152,13 +152,39 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
+def decoder_outputs(model: torch.nn.Module, **kwargs: Any) -> Any:
+    """The decoder's output (``last_hidden_state``, ``past_key_values``) of a causal LM, without its LM head.
+
+    When the model is FSDP2-sharded (``fully_shard`` on its root), the decoder cannot be called on its
+    own: the root's parameters (embeddings, final norm, LM head) are gathered only by the root's
+    forward. The root then runs with no logits to keep (an empty ``logits_to_keep``, a ``[B, 0, V]``
+    head product) and the decoder's output is taken from a forward hook. The root's parameters stay
+    gathered until its backward, so ``lm_head_weight(model)`` is the full weight for the head ops.
+    """
+    from lit_memopt.models.sharding import is_fsdp_sharded
+
+    decoder = decoder_of(model)
+    if not is_fsdp_sharded(model):
+        return decoder(**kwargs)
+    captured: list[Any] = []
+    handle = decoder.register_forward_hook(lambda _module, _args, output: captured.append(output))
+    try:
+        reference = kwargs.get("input_ids")
+        if reference is None:
+            reference = kwargs["inputs_embeds"]
+        model(**kwargs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=reference.device))
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
 def decoder_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
     """Final hidden states ``[B, T, H]`` of a causal LM, without running its LM head.
 
     Feed them with ``lm_head_weight(model)`` to the ``lit_memopt.ops`` head ops; the ``[B, T, V]``
     logits are never built. Keyword arguments (``attention_mask``, ``inputs_embeds``,
-    ``position_ids``, ``past_key_values``, ``use_cache``) go to the decoder.
+    ``position_ids``, ``past_key_values``, ``use_cache``) go to the decoder. Works for FSDP2-sharded
+    models too (see :func:`decoder_outputs`).
     """
     kwargs.setdefault("use_cache", False)
-    out = decoder_of(model)(input_ids=input_ids, **kwargs)
-    return out.last_hidden_state
+    return decoder_outputs(model, input_ids=input_ids, **kwargs).last_hidden_state

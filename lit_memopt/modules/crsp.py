@@ -36,6 +36,7 @@ from lit_memopt.rewards.crsp_rewards import (
     think_text,
 )
 from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
+from lit_memopt.models.sharding import shard_for_fsdp2
 
 __all__ = ["CRSPModule", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
 
@@ -307,6 +308,10 @@ class CRSPModule(pl.LightningModule):
     def teardown(self, stage: str) -> None:
         if self.sandbox is not None:
             self.sandbox.close()
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
+        shard_for_fsdp2(self, self.model)
 
     def configure_optimizers(self) -> Any:
         # All adapters' parameters: peft marks only the active adapter trainable at any moment.

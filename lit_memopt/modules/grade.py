@@ -19,11 +19,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lit_memopt.models.hf import ModelConfig, decoder_of, lm_head_weight
+from lit_memopt.models.hf import ModelConfig, decoder_outputs, lm_head_weight
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
 from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax
 from lit_memopt.rewards.grade_reward import build_rule_reward_model, sequence_reward
+from lit_memopt.models.sharding import shard_for_fsdp2
 
 MEMORY_MODES = ("optimized", "legacy")
 
@@ -282,7 +283,6 @@ class GradeModule(pl.LightningModule):
         """
         from transformers import DynamicCache
 
-        decoder = decoder_of(self.policy)
         n_layers = self._num_layers()
         if past:
             n_chunks = len(past) // (2 * n_layers)
@@ -294,8 +294,8 @@ class GradeModule(pl.LightningModule):
             cache = DynamicCache(ddp_cache_data=layers)
         else:
             cache = DynamicCache()
-        out = decoder(
-            inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+        out = decoder_outputs(
+            self.policy, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True,
         )
         q = embeds.shape[1]
@@ -306,7 +306,7 @@ class GradeModule(pl.LightningModule):
         return (out.last_hidden_state[:, -1], *new)
 
     def _policy_full(self, embeds: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        out = decoder_of(self.policy)(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        out = decoder_outputs(self.policy, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         return out.last_hidden_state[:, -1]
 
     def _num_layers(self) -> int:
@@ -359,7 +359,7 @@ class GradeModule(pl.LightningModule):
             from transformers import DynamicCache
 
             ref_cache = DynamicCache()
-            ref_hidden = decoder_of(reference)(
+            ref_hidden = decoder_outputs(reference, 
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=ref_cache, use_cache=True
             ).last_hidden_state[:, -1]
 
@@ -388,7 +388,7 @@ class GradeModule(pl.LightningModule):
             hidden, *new = self._maybe_checkpoint(self._policy_chunk, step_embeds, mask, step_position, *chunks)
             chunks.extend(new)
             with self._reference_mode() as reference:
-                ref_hidden = decoder_of(reference)(
+                ref_hidden = decoder_outputs(reference, 
                     input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=step_position,
                     past_key_values=ref_cache, use_cache=True,
                 ).last_hidden_state[:, -1]
@@ -423,7 +423,7 @@ class GradeModule(pl.LightningModule):
             hidden = self._maybe_checkpoint(self._policy_full, embeds, mask, positions)
             logits = _logits(hidden, weight, bias)
             with self._reference_mode() as reference:
-                ref_hidden = decoder_of(reference)(
+                ref_hidden = decoder_outputs(reference, 
                     input_ids=ids_so_far, attention_mask=mask, position_ids=positions, use_cache=False
                 ).last_hidden_state[:, -1]
                 ref_logits = _logits(ref_hidden, ref_weight, ref_bias)
@@ -491,6 +491,10 @@ class GradeModule(pl.LightningModule):
         self._batch_start = None
         tokens = batch["input_ids"].shape[0] * int(self.hparams.max_new_tokens)
         self.log("train/tokens_per_s", tokens / max(elapsed, 1e-9), batch_size=batch["input_ids"].shape[0])
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
+        shard_for_fsdp2(self, self.policy)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memopt.models import lm_head_weight
 from lit_memopt.modules._optim import adamw_with_warmup
+from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.modules.rollout import (
     Rollout,
     scatter_response,
@@ -269,6 +270,10 @@ class IntuitorModule(pl.LightningModule):
         accuracy = self._accuracy(batch, rollout)
         if accuracy is not None:
             self.log("val/accuracy", accuracy.mean(), batch_size=num_prompts, sync_dist=True)
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
+        shard_for_fsdp2(self, self.model)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -10,6 +10,7 @@ import torch
 from lit_memopt.models.hf import ModelConfig, decoder_hidden_states, lm_head_weight
 from lit_memopt.ops import linear_logprobs
 from lit_memopt.modules._optim import adamw_with_warmup
+from lit_memopt.models.sharding import shard_for_fsdp2
 
 
 def next_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +76,10 @@ class SFTModule(pl.LightningModule):
         self.model = model_config.build_model()
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
+        shard_for_fsdp2(self, self.model)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return next_token_nll(self.model, batch, self.hparams.chunk_size)[0]

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_memopt.models.hf import _plain, decoder_hidden_states, lm_head_weight
 from lit_memopt.models.ttt import TTTConfig, TTTIntegrationConfig, add_ttt_layers
 from lit_memopt.ops import linear_logprobs
+from lit_memopt.models.sharding import shard_for_fsdp2
 
 IGNORE_INDEX = -100
 
@@ -119,6 +120,10 @@ class TTTModule(pl.LightningModule):
             self.branches = []
             self._host_param_ids = set()
         self.hparams["integration"] = None if self.integration is None else dict(vars(self.integration))
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
+        shard_for_fsdp2(self, self.model)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""FSDP2 sharding of the pack's models: each decoder block, then the root, with ``fully_shard``.
+
+Modules call :func:`shard_for_fsdp2` from ``configure_model``; it does nothing unless Lightning's
+``ModelParallelStrategy`` set a device mesh, so the same module runs on one device, DDP and FSDP2.
+The root group (embeddings, final norm, LM head) stays unsharded from the root's forward until its
+backward (FSDP2 does not reshard the root after forward), which is why every forward goes through the
+root (:func:`lit_memopt.models.hf.decoder_outputs`) and the fused head ops then see a plain weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["is_fsdp_sharded", "mixed_precision_policy", "shard_blocks_and_root", "shard_for_fsdp2", "decoder_blocks"]
+
+
+def is_fsdp_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` or one of its submodules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def mixed_precision_policy(precision: Any) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for a Lightning ``precision`` value (``None`` for full precision).
+
+    bf16/fp16 precisions all-gather parameters in the half dtype and reduce gradients in fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    text = str(precision)
+    if text.startswith("bf16"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if text.startswith("16"):
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return None
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of the pack's TTT LM (``layers``) or of a transformers causal LM (its decoder's ``layers``)."""
+    layers = getattr(model, "layers", None)  # the pack's TTTForCausalLM
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    from lit_memopt.models.hf import decoder_of
+
+    layers = getattr(decoder_of(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard (expected .layers or .blocks)")
+    return list(layers)
+
+
+def shard_blocks_and_root(model: nn.Module, mesh: Any, precision: Any = None) -> nn.Module:
+    """``fully_shard`` each decoder block, then the root (the causal LM; the base model under peft)."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision_policy(precision)
+    kwargs = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
+    for block in decoder_blocks(model):
+        fully_shard(block, **kwargs)
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fully_shard(root, **kwargs)
+    return model
+
+
+def shard_for_fsdp2(module: Any, *models: nn.Module) -> None:
+    """From a LightningModule's ``configure_model``: shard ``models`` when the strategy is FSDP2.
+
+    A no-op without a device mesh (single device, DDP) and for models already sharded (a second
+    ``fit`` on the same module). Frozen reference models are passed or not as the method needs.
+    """
+    mesh = getattr(module, "device_mesh", None)
+    if mesh is None:
+        return
+    dims = mesh.mesh_dim_names or ()
+    data_mesh = mesh["data_parallel"] if "data_parallel" in dims else mesh
+    if "tensor_parallel" in dims and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            "lit-memopt modules shard with data parallelism only: set tensor_parallel_size=1 in ModelParallelStrategy "
+            f"(got {mesh['tensor_parallel'].size()})."
+        )
+    precision = getattr(getattr(module, "_trainer", None), "precision", None)
+    for model in models:
+        if not is_fsdp_sharded(model):
+            shard_blocks_and_root(model, data_mesh, precision)
