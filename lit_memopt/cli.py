@@ -250,6 +250,22 @@ def _user_error_message(exc: BaseException) -> str | None:
     return None
 
 
+def check_module_fits_strategy(cfg: Any, module: Any) -> None:
+    """``trainer=fsdp2`` needs a module that shards its model in ``configure_model``: say so in one line."""
+    import lightning.pytorch as pl
+
+    strategy = cfg.trainer.get("strategy")
+    target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy or "")
+    if not str(target).endswith("ModelParallelStrategy"):
+        return
+    if type(module).configure_model is pl.LightningModule.configure_model:
+        raise UsageError(
+            f"trainer=fsdp2 needs {type(module).__name__} to shard its model in configure_model(); add "
+            "`def configure_model(self): lit_memopt.models.shard_for_fsdp2(self, self.model)` to the module "
+            "(or pick trainer=ddp)"
+        )
+
+
 def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from hydra.core.hydra_config import HydraConfig
@@ -262,11 +278,13 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     ckpt_path = cfg.get("ckpt_path")
     if command == "validate" and not ckpt_path:
         raise UsageError("validate needs a checkpoint: add ckpt_path=/path/to/last.ckpt")
-    if ckpt_path and not Path(str(ckpt_path)).is_file():
-        raise UsageError(f"ckpt_path={ckpt_path!r} is not a file; give the path of a .ckpt written by a fit run.")
+    if ckpt_path and not Path(str(ckpt_path)).exists():
+        # a file, or a directory for the sharded checkpoints of trainer=fsdp2
+        raise UsageError(f"ckpt_path={ckpt_path!r} is not a file (nor a sharded checkpoint directory); give the path of a .ckpt written by a fit run.")
 
     run = instantiate_run(cfg)
     datamodule, module, callbacks = run.datamodule, run.module, run.callbacks
+    check_module_fits_strategy(cfg, module)
     summary = RunSummary()
     callbacks.append(summary)
     if cfg.trainer.get("enable_checkpointing", True):

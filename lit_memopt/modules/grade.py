@@ -493,7 +493,13 @@ class GradeModule(pl.LightningModule):
         self.log("train/tokens_per_s", tokens / max(elapsed, 1e-9), batch_size=batch["input_ids"].shape[0])
 
     def configure_model(self) -> None:
-        """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
+        """GRADE reads the embedding and head weights outside the model's forward (soft embeddings), which
+        FSDP2 keeps sharded there: refuse ``trainer=fsdp2`` with a clear message rather than fail mid-step."""
+        if getattr(self, "device_mesh", None) is not None:
+            raise ValueError(
+                "GradeModule does not support trainer=fsdp2 yet (its soft embeddings read the embedding and head "
+                "weights outside the model's forward, where FSDP2 keeps them sharded); use trainer=ddp or one GPU."
+            )
         shard_for_fsdp2(self, self.policy)
 
     def configure_optimizers(self) -> Any:

@@ -144,6 +144,14 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
         yield
 
 
+def _sharded_across_ranks(model: torch.nn.Module) -> bool:
+    import torch.distributed as dist
+
+    from lit_memopt.models.sharding import is_fsdp_sharded
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and is_fsdp_sharded(model)
+
+
 def generate(
     model: torch.nn.Module,
     prompts: Sequence[str] | Sequence[Sequence[int]] | torch.Tensor,
@@ -247,6 +255,9 @@ def generate(
             eos_token_id=eos_id,
             pad_token_id=pad_id,
             use_cache=True,
+            # A sharded model gathers its layers in every forward: all ranks must run the same number of
+            # generation steps, so finished ranks keep stepping until every rank is done.
+            synced_gpus=_sharded_across_ranks(model),
         )
     if not isinstance(sequences, torch.Tensor):  # a GenerateOutput when the config asks for dicts
         sequences = sequences.sequences
