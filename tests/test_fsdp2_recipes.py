@@ -46,7 +46,9 @@ def test_sft_trains_on_fsdp2_and_resumes_from_the_sharded_checkpoint(tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("recipe, metric", [("ttt", "train/loss"), ("intuitor", "train/self_certainty")])
+@pytest.mark.parametrize(
+    "recipe, metric", [("ttt", "train/loss"), ("intuitor", "train/self_certainty"), ("grade", "train/reward")]
+)
 def test_recipes_train_on_fsdp2(tmp_path: Path, recipe: str, metric: str) -> None:
     result = run_cli(["fit", f"recipe={recipe}", *FSDP2, "trainer.max_steps=3", "trainer.log_every_n_steps=1",
                       "trainer.val_check_interval=null", "trainer.limit_val_batches=0", f"hydra.run.dir={tmp_path / 'run'}"],
@@ -69,12 +71,3 @@ def test_fsdp2_with_a_module_without_configure_model_says_what_to_add() -> None:
     with pytest.raises(UsageError, match=r"trainer=fsdp2 needs Plain to shard its model in configure_model\(\); add"):
         check_module_fits_strategy(cfg, Plain())
     check_module_fits_strategy(compose_config(["recipe=sft", "trainer=ddp"]), Plain())  # nothing needed there
-
-
-def test_grade_refuses_fsdp2_with_a_clear_message() -> None:
-    from types import SimpleNamespace
-
-    from lit_memopt.modules import GradeModule
-
-    with pytest.raises(ValueError, match="GradeModule does not support trainer=fsdp2 yet"):
-        GradeModule.configure_model(SimpleNamespace(device_mesh=object(), policy=None))  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["is_fsdp_sharded", "mixed_precision_policy", "shard_blocks_and_root", "shard_for_fsdp2", "decoder_blocks"]
+__all__ = ["RootCall", "is_fsdp_sharded", "mixed_precision_policy", "shard_blocks_and_root", "shard_for_fsdp2", "decoder_blocks"]
 
 
 def is_fsdp_sharded(model: nn.Module) -> bool:
@@ -52,24 +52,45 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard_blocks_and_root(model: nn.Module, mesh: Any, precision: Any = None) -> nn.Module:
-    """``fully_shard`` each decoder block, then the root (the causal LM; the base model under peft)."""
+class RootCall(nn.Module):
+    """An FSDP2 root that runs a whole function as its forward: ``RootCall(model)(fn, *args)``.
+
+    For methods that call their model several times per step with inputs that need gradients (GRADE's
+    soft tokens): FSDP2 would reshard a root after the backward of its first finished call while the
+    other calls' backward still needs the gathered weights. With this root around the whole step, the
+    model's top-level parameters are gathered once, stay gathered through every inner call, and are
+    reduce-scattered at the end of backward. Keep it out of the module tree (it only wraps ``model``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+
+def shard_blocks_and_root(model: nn.Module, mesh: Any, precision: Any = None, root: nn.Module | None = None) -> nn.Module:
+    """``fully_shard`` each decoder block, then the root: ``root`` if given (a :class:`RootCall` around
+    ``model``), else the causal LM (the base model under peft)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision_policy(precision)
     kwargs = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
-    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if root is None:
+        root = model.get_base_model() if hasattr(model, "get_base_model") else model
     fully_shard(root, **kwargs)
     return model
 
 
-def shard_for_fsdp2(module: Any, *models: nn.Module) -> None:
+def shard_for_fsdp2(module: Any, *models: nn.Module, root: nn.Module | None = None) -> None:
     """From a LightningModule's ``configure_model``: shard ``models`` when the strategy is FSDP2.
 
     A no-op without a device mesh (single device, DDP) and for models already sharded (a second
     ``fit`` on the same module). Frozen reference models are passed or not as the method needs.
+    ``root`` (with one model) replaces the model's own root, e.g. a :class:`RootCall`.
     """
     mesh = getattr(module, "device_mesh", None)
     if mesh is None:
@@ -82,6 +103,8 @@ def shard_for_fsdp2(module: Any, *models: nn.Module) -> None:
             f"(got {mesh['tensor_parallel'].size()})."
         )
     precision = getattr(getattr(module, "_trainer", None), "precision", None)
+    if root is not None and len(models) != 1:
+        raise ValueError("shard_for_fsdp2: `root` replaces the root of exactly one model")
     for model in models:
         if not is_fsdp_sharded(model):
-            shard_blocks_and_root(model, data_mesh, precision)
+            shard_blocks_and_root(model, data_mesh, precision, root=root)

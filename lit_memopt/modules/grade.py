@@ -24,7 +24,7 @@ from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
 from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax
 from lit_memopt.rewards.grade_reward import build_rule_reward_model, sequence_reward
-from lit_memopt.models.sharding import shard_for_fsdp2
+from lit_memopt.models.sharding import RootCall, is_fsdp_sharded, shard_for_fsdp2
 
 MEMORY_MODES = ("optimized", "legacy")
 
@@ -278,6 +278,8 @@ class GradeModule(pl.LightningModule):
     def _policy_chunk(self, embeds: Tensor, attention_mask: Tensor, position_ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         """Policy forward of ``q`` new positions given earlier per-chunk K/V; returns (last hidden, new K/V...).
 
+        ``embeds`` are input embeddings ``[B, q, H]``, or token ids ``[B, q]`` (the prompt).
+
         The cache is rebuilt from the chunks inside, and only the new positions' K/V leave: stored
         chunks total ``O(T)``, and under checkpointing the concatenated cache is a recomputed temporary.
         """
@@ -294,8 +296,9 @@ class GradeModule(pl.LightningModule):
             cache = DynamicCache(ddp_cache_data=layers)
         else:
             cache = DynamicCache()
+        inputs = {"inputs_embeds": embeds} if embeds.is_floating_point() else {"input_ids": embeds}
         out = decoder_outputs(
-            self.policy, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+            self.policy, **inputs, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True,
         )
         q = embeds.shape[1]
@@ -336,25 +339,29 @@ class GradeModule(pl.LightningModule):
             )
         if self.hparams.memory_mode == "legacy":
             return self._legacy(input_ids, attention_mask, tau, generator)
+        root = self.__dict__.get("_policy_root")
+        if root is not None:  # FSDP2: the whole generation runs as the root's forward
+            return root(self._optimized, input_ids, attention_mask, tau, generator)
         return self._optimized(input_ids, attention_mask, tau, generator)
 
     def _optimized(self, input_ids: Tensor, attention_mask: Tensor, tau: float, generator: torch.Generator | None) -> GradeOutput:
         hp = self.hparams
         steps = int(hp.max_new_tokens)
-        weight, bias = lm_head_weight(self.policy), _head_bias(self.policy)
-        ref_weight, ref_bias = self._reference_head()
-        embedding = self.policy.get_input_embeddings().weight
-        k = weight.shape[0] if hp.top_k is None else int(hp.top_k)
         batch = input_ids.shape[0]
-        # All B rows in one tile and wide vocabulary tiles: with a handful of rows, the automatic
-        # tiling (sized for [tokens, vocab] workloads) would cut the head into thousands of slivers.
-        head_tiles = (batch, int(hp.head_vocab_tile))
         mask = attention_mask.long()
         positions = position_ids_from_mask(mask)
         next_position = mask.sum(dim=-1, keepdim=True)
 
-        prompt_embeds = self.policy.get_input_embeddings()(input_ids)
-        hidden, *chunks = self._maybe_checkpoint(self._policy_chunk, prompt_embeds, mask, positions)
+        # The prompt goes in as token ids, and the embedding and head weights are read only after this
+        # first forward: under FSDP2 the root's forward is what gathers them (and keeps them gathered).
+        hidden, *chunks = self._maybe_checkpoint(self._policy_chunk, input_ids, mask, positions)
+        weight, bias = lm_head_weight(self.policy), _head_bias(self.policy)
+        ref_weight, ref_bias = self._reference_head()
+        embedding = self.policy.get_input_embeddings().weight
+        k = weight.shape[0] if hp.top_k is None else int(hp.top_k)
+        # All B rows in one tile and wide vocabulary tiles: with a handful of rows, the automatic
+        # tiling (sized for [tokens, vocab] workloads) would cut the head into thousands of slivers.
+        head_tiles = (batch, int(hp.head_vocab_tile))
         with self._reference_mode() as reference:
             from transformers import DynamicCache
 
@@ -405,6 +412,8 @@ class GradeModule(pl.LightningModule):
         )
 
     def _legacy(self, input_ids: Tensor, attention_mask: Tensor, tau: float, generator: torch.Generator | None) -> GradeOutput:
+        if is_fsdp_sharded(self.policy):
+            raise ValueError("module.memory_mode=legacy (the dense baseline) does not run on trainer=fsdp2; use memory_mode=optimized")
         hp = self.hparams
         steps = int(hp.max_new_tokens)
         weight, bias = lm_head_weight(self.policy), _head_bias(self.policy)
@@ -493,14 +502,14 @@ class GradeModule(pl.LightningModule):
         self.log("train/tokens_per_s", tokens / max(elapsed, 1e-9), batch_size=batch["input_ids"].shape[0])
 
     def configure_model(self) -> None:
-        """GRADE reads the embedding and head weights outside the model's forward (soft embeddings), which
-        FSDP2 keeps sharded there: refuse ``trainer=fsdp2`` with a clear message rather than fail mid-step."""
-        if getattr(self, "device_mesh", None) is not None:
-            raise ValueError(
-                "GradeModule does not support trainer=fsdp2 yet (its soft embeddings read the embedding and head "
-                "weights outside the model's forward, where FSDP2 keeps them sharded); use trainer=ddp or one GPU."
-            )
-        shard_for_fsdp2(self, self.policy)
+        """Under FSDP2 (``trainer=fsdp2``) shard the policy's decoder blocks, with a :class:`RootCall` around
+        the whole generation as the root (the policy is called once per soft token, with inputs that need
+        gradients); the frozen reference and reward models stay replicated."""
+        if getattr(self, "device_mesh", None) is None or is_fsdp_sharded(self.policy):
+            return
+        root = RootCall(self.policy)
+        self.__dict__["_policy_root"] = root  # not a submodule: the policy is registered once, as self.policy
+        shard_for_fsdp2(self, self.policy, root=root)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
