@@ -23,7 +23,7 @@ class OptimizerStepRetry:
     """Patches ``optimizer.step`` of a run's optimizers to retry an OOM in the update once.
 
     ``on_oom(message)`` records the OOM; ``fatal(message, retryable, local)`` builds the error
-    raised when the step cannot be retried; ``error_type`` is the exception class raised;
+    raised when the step cannot be retried; ``error_type(message, oom_recorded=...)`` builds the exception raised;
     ``current_step()`` names the step in messages.
     """
 
@@ -32,7 +32,7 @@ class OptimizerStepRetry:
         agree: Callable[[], RankAgreement],
         on_oom: Callable[[str], None],
         fatal: Callable[[str, bool, bool], str],
-        error_type: type[Exception],
+        error_type: Callable[..., Exception],
         free_memory: Callable[[], None],
         current_step: Callable[[], int],
     ) -> None:
@@ -75,6 +75,10 @@ class OptimizerStepRetry:
             self._step_with_retry(optimizer, inner, kwargs)
             return loss
 
+        if hasattr(inner, "_wrapped_by_lr_sched"):
+            # An LR scheduler's counting wrapper is still called inside: keep its mark, or the scheduler
+            # warns that optimizer.step() was overridden after it was created.
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return step
 
     def _step_with_retry(self, optimizer: torch.optim.Optimizer, inner: Callable[..., Any], kwargs: dict) -> None:
@@ -93,7 +97,7 @@ class OptimizerStepRetry:
         if status == OOM:
             self._on_oom(message)
         if any_fatal:
-            raise self._error_type(self._fatal(message, False, status == OOM))
+            raise self._error_type(self._fatal(message, False, status == OOM), oom_recorded=status == OOM)
         # Every failing rank can retry exactly: nothing was updated. Free memory and try once more.
         if status == OOM:
             self._free_memory()
@@ -105,7 +109,7 @@ class OptimizerStepRetry:
             return
         if status == ERROR:
             raise error  # type: ignore[misc]
-        raise self._error_type(self._fatal(message, True, status == OOM))
+        raise self._error_type(self._fatal(message, True, status == OOM), oom_recorded=status == OOM)
 
 
 def _try_step(inner: Callable[..., Any], kwargs: dict, snapshot: OptimizerSnapshot) -> tuple[int, bool, str, Any]:

@@ -529,10 +529,9 @@ class MemoryMonitor(Callback):
 
         if not is_oom_error(exception):
             return
-        first_line = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
-        last = self.metrics.oom_events[-1] if self.metrics.oom_events else None
-        # OOMRecovery records the OOMs it sees before giving up; do not count the one it re-raises twice.
-        if last is None or last.step != trainer.global_step or last.message != first_line:
+        # An error that says its OOM was recorded already (OOMRecovery's, which reported the OOM to this
+        # monitor before giving up) is not counted a second time.
+        if not getattr(exception, "oom_recorded", False):
             self.metrics.record_oom(trainer.global_step, str(exception), rank=trainer.global_rank, phase=self._phase)
         if self.snapshot_on_oom and self._recording_history:
             path = self.dump_memory_snapshot(trainer, "oom")

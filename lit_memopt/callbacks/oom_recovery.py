@@ -39,7 +39,15 @@ DEFAULT_ESTIMATE_MARGIN = 0.1
 
 
 class OOMRecoveryError(RuntimeError):
-    """Training cannot go on: an out-of-memory error that ``OOMRecovery`` could not recover from."""
+    """Training cannot go on: an out-of-memory error that ``OOMRecovery`` could not recover from.
+
+    ``oom_recorded`` is true when the OOM behind it was already recorded as an event (in
+    ``OOMRecovery.events`` and a ``MemoryMonitor``), so the monitor does not count it a second time.
+    """
+
+    def __init__(self, message: str, *, oom_recorded: bool = False) -> None:
+        super().__init__(message)
+        self.oom_recorded = oom_recorded
 
 
 class OOMRecovery(Callback):
@@ -533,7 +541,9 @@ class OOMRecovery(Callback):
                 continue
             if not self.policy.can_shrink(size):
                 _restore(params, stash)
-                raise OOMRecoveryError(self._fatal_message(trainer, module, attempt.phase, size, attempt.message))
+                raise OOMRecoveryError(
+                    self._fatal_message(trainer, module, attempt.phase, size, attempt.message), oom_recorded=True
+                )
             size = self.policy.shrunk(size, global_batch_size, trainer.global_step)
 
         new_grads = [p.grad for p in params]
