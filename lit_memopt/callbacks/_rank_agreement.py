@@ -7,8 +7,9 @@ the same on every rank whatever happened locally.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.distributed as dist
 
 __all__ = ["RankAgreement", "PeerFailure", "OK", "OOM", "ERROR", "PHASES", "PHASE_CODES"]
 
@@ -32,25 +33,53 @@ class PeerFailure(RuntimeError):
 
 
 class RankAgreement:
-    """Element-wise MAX (or MIN) over all ranks of a few integers.
+    """Element-wise MAX / MIN over all ranks of a few numbers, and a gather: how the callbacks decide together.
 
-    A no-op (returns its input) in a single process. Every call is one ``all_reduce`` of the same
-    shape and dtype; callers must make the same calls in the same order on every rank.
+    The one way the pack's callbacks (``OOMRecovery``, ``EmptyCacheScheduler``, ``MemoryMonitor``) talk
+    across ranks. It runs on the Lightning strategy's own collectives (``strategy.reduce`` with
+    ``"max"``, ``strategy.all_gather``), on its root device; a single process returns its input.
+    Every call is one collective of the same shape; callers must make the same calls in the same order
+    on every rank.
+
+    Args:
+        strategy: the ``Trainer``'s strategy (``trainer.strategy``); ``None`` for a single process.
     """
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.device = device
-        self.enabled = enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    def __init__(self, strategy: Any = None) -> None:
+        self.strategy = strategy
+        self.enabled = strategy is not None and int(getattr(strategy, "world_size", 1)) > 1
+
+    @classmethod
+    def for_trainer(cls, trainer: Any) -> RankAgreement:
+        return cls(getattr(trainer, "strategy", None))
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self.strategy, "root_device", None) or torch.device("cpu")
 
     def max(self, *values: int) -> list[int]:
         if not self.enabled:
             return [int(v) for v in values]
         flags = torch.tensor(values, dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [int(v) for v in flags.tolist()]
+        return [int(v) for v in self.strategy.reduce(flags, reduce_op="max").tolist()]
 
     def min(self, *values: int) -> list[int]:
         return [-v for v in self.max(*(-int(v) for v in values))]
+
+    def max_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise max of a (float) tensor over ranks, on the CPU."""
+        if not self.enabled:
+            return values
+        return self.strategy.reduce(values.to(self.device), reduce_op="max").cpu()
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``[world, ...]``: ``values`` from every rank, on the CPU (``[1, ...]`` in a single process)."""
+        if not self.enabled:
+            return values.unsqueeze(0)
+        gathered = self.strategy.all_gather(values.to(self.device))
+        if gathered.dim() == values.dim():  # some strategies return no leading world dimension for one rank
+            gathered = gathered.unsqueeze(0)
+        return gathered.cpu()
 
     def status(self, status: int, phase_code: int) -> tuple[int, int]:
         """Agree on ``(status, phase)``: only a failing rank names its phase, so MAX carries it to all ranks."""

@@ -199,10 +199,9 @@ class EmptyCacheScheduler(Callback):
     # --- helpers ----------------------------------------------------------------------------------
     def _agree(self, trainer: Trainer, flags: torch.Tensor) -> torch.Tensor:
         """Element-wise max of ``flags`` over ranks: every rank must call this at the same point."""
-        if trainer.world_size <= 1:
-            return flags
-        reduced = trainer.strategy.reduce(flags.to(trainer.strategy.root_device), reduce_op="max")
-        return reduced.cpu()
+        from lit_memopt.callbacks._rank_agreement import RankAgreement
+
+        return RankAgreement.for_trainer(trainer).max_tensor(flags)
 
     def _empty(self, reasons: tuple[str, ...]) -> None:
         start = time.perf_counter()

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_memopt.callbacks._rank_agreement import RankAgreement
 from lit_memopt.memory.stats import (
     MemorySnapshot,
     cpu_peak_is_resettable,
@@ -503,10 +504,7 @@ class MemoryMonitor(Callback):
     # --- distributed aggregation and logging ------------------------------------------------------
     def _gather(self, trainer: Trainer, values: torch.Tensor) -> torch.Tensor:
         """``[world, ...]`` stack of ``values`` from every rank (all ranks must call this at the same point)."""
-        gathered = trainer.strategy.all_gather(values.to(trainer.strategy.root_device))
-        if gathered.dim() == values.dim():  # single process: no leading world dimension
-            gathered = gathered.unsqueeze(0)
-        return gathered.cpu()
+        return RankAgreement.for_trainer(trainer).gather(values)
 
     def _log(self, trainer: Trainer, values: dict[str, float], step: int) -> None:
         local = torch.tensor([values[name] for name in _STEP_FIELDS], dtype=torch.float64)

@@ -210,7 +210,7 @@ class OOMRecovery(Callback):
         self._original_backward: Callable[..., Any] | None = None
         self._pending_grads: list[torch.Tensor | None] | None = None
         self._pending_sync = False
-        self._agree = RankAgreement(torch.device("cpu"), enabled=False)
+        self._agree = RankAgreement()
         self._sync: GradientSync = SingleDeviceSync(self._agree)
         self._optimizer_retry = OptimizerStepRetry(
             agree=lambda: self._agree, on_oom=self._record_optimizer_oom, fatal=self._optimizer_fatal_message,
@@ -270,7 +270,7 @@ class OOMRecovery(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._agree = RankAgreement(getattr(trainer.strategy, "root_device", torch.device("cpu")), enabled=True)
+        self._agree = RankAgreement.for_trainer(trainer)
         sync = select_gradient_sync(trainer, self._agree)
         self._disabled = isinstance(sync, str)
         if isinstance(sync, str):
@@ -287,7 +287,6 @@ class OOMRecovery(Callback):
         if self._disabled:
             return
         # The strategy has set the model up by now (DDP wrapper, FSDP2 shards): attach to it.
-        self._agree.device = pl_module.device
         self._sync.attach(trainer, pl_module)
         if self._sync.name != "single device":
             rank_zero_info(f"OOMRecovery: {self._sync.name} gradient sync; ranks agree before every collective that can fail")
