@@ -11,7 +11,7 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _plain(value: Any) -> Any:
+def plain_container(value: Any) -> Any:
     """Hydra hands over ``DictConfig``/``ListConfig``; transformers and peft want plain containers."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -31,7 +31,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _require_local_path(path: str, key: str) -> str:
+def require_local_path(path: str, key: str) -> str:
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -47,7 +47,7 @@ def build_tokenizer(path: str | None = None):
 
     if path is None:
         return ByT5Tokenizer()
-    return AutoTokenizer.from_pretrained(_require_local_path(path, "model.tokenizer"))
+    return AutoTokenizer.from_pretrained(require_local_path(path, "model.tokenizer"))
 
 
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
@@ -84,8 +84,8 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
-        self.arch = dict(_plain(self.arch) or {})
-        self.lora = dict(_plain(self.lora)) if self.lora else None
+        self.arch = dict(plain_container(self.arch) or {})
+        self.lora = dict(plain_container(self.lora)) if self.lora else None
         resolve_dtype(self.dtype)
         if self.pretrained is None and "model_type" not in self.arch:
             raise ValueError(
@@ -107,7 +107,7 @@ class ModelConfig:
         from transformers import AutoConfig
 
         if self.pretrained is not None:
-            return AutoConfig.from_pretrained(_require_local_path(self.pretrained, "model.pretrained"))
+            return AutoConfig.from_pretrained(require_local_path(self.pretrained, "model.pretrained"))
         arch = dict(self.arch)
         model_type = arch.pop("model_type")
         return AutoConfig.for_model(model_type, **arch)
@@ -118,7 +118,7 @@ class ModelConfig:
 
         kwargs = {"dtype": self.torch_dtype, "attn_implementation": self.attn_implementation}
         if self.pretrained is not None:
-            model = AutoModelForCausalLM.from_pretrained(_require_local_path(self.pretrained, "model.pretrained"), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(require_local_path(self.pretrained, "model.pretrained"), **kwargs)
         else:
             model = AutoModelForCausalLM.from_config(self.hf_config(), **kwargs)
         if self.lora is not None and apply_lora:

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_memopt.models.hf import _plain, decoder_hidden_states, lm_head_weight
+from lit_memopt.models.hf import plain_container, decoder_hidden_states, lm_head_weight
 from lit_memopt.models.ttt import TTTConfig, TTTIntegrationConfig, add_ttt_layers
 from lit_memopt.ops import linear_logprobs
 from lit_memopt.models.sharding import shard_for_fsdp2
@@ -102,7 +102,7 @@ class TTTModule(pl.LightningModule):
             if integration is None:
                 integration = TTTIntegrationConfig()
             elif not isinstance(integration, TTTIntegrationConfig):
-                integration = TTTIntegrationConfig(**_plain(integration))
+                integration = TTTIntegrationConfig(**plain_container(integration))
             self.integration = integration
             self.model = model_config.build_model()
             # the host's own trainable set (all weights, or LoRA adapters) before the branches exist

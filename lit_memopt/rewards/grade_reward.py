@@ -194,13 +194,13 @@ def build_sequence_classifier(
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from lit_memopt.models.hf import _require_local_path
+    from lit_memopt.models.hf import require_local_path
 
     if int(num_labels) < 1:
         raise ValueError(f"reward num_labels must be >= 1, got {num_labels!r}.")
     kwargs = {"dtype": model_config.torch_dtype, "attn_implementation": model_config.attn_implementation}
     if pretrained is not None:
-        path = _require_local_path(pretrained, "module.reward_model.pretrained")
+        path = require_local_path(pretrained, "module.reward_model.pretrained")
         config = AutoConfig.from_pretrained(path, num_labels=int(num_labels))
     else:
         config = model_config.hf_config()
