@@ -9,6 +9,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lit_memopt.models.tokens import left_pad
+
 # Word list the prompts are drawn from: plain lowercase English, so byte-level tokenizers see ordinary text.
 _WORDS = (
     "the a one this that my your our some every small large old new quiet bright dark warm cold red blue green "
@@ -18,17 +20,6 @@ _WORDS = (
     "slowly quickly gently again always never often today tomorrow here there near far under over with "
     "and but because while after before when where why how what who"
 ).split()
-
-
-def _left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-align each row in a ``[N, length]`` tensor; padding on the left so generation continues the text."""
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[i, length - len(row) :] = 1
-    return ids, mask
 
 
 class _PromptDataset(Dataset):
@@ -124,7 +115,7 @@ class PromptDataModule(LightningDataModule):
             ids = ids[-target:]
             rows.append(ids)
             texts.append(" ".join(words))
-        input_ids, attention_mask = _left_pad(rows, self.prompt_length, self.pad_token_id)
+        input_ids, attention_mask = left_pad(rows, self.pad_token_id, length=self.prompt_length)
         return _PromptDataset(input_ids, attention_mask, texts)
 
     def setup(self, stage: str | None = None) -> None:

@@ -11,6 +11,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lit_memopt.models.tokens import left_pad
+
 TASKS = ("add", "sub", "mul", "max", "copy", "reverse")
 TASK_GROUPS = {"arithmetic": ("add", "sub", "mul", "max"), "strings": ("copy", "reverse"), "mixed": TASKS}
 PROMPT_STYLES = ("compact", "instruct")
@@ -89,13 +91,7 @@ class _LeftPadCollate:
         self.pad_id = pad_id
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
-        length = max(len(item["ids"]) for item in items)
-        input_ids = torch.full((len(items), length), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(items), length), dtype=torch.long)
-        for row, item in enumerate(items):
-            n = len(item["ids"])
-            input_ids[row, length - n :] = torch.tensor(item["ids"], dtype=torch.long)
-            attention_mask[row, length - n :] = 1
+        input_ids, attention_mask = left_pad([item["ids"] for item in items], self.pad_id)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -3,6 +3,8 @@ trained per role with the TR-RPG loss on rewards decided by executing code in th
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import functools
 import random
@@ -36,6 +38,7 @@ from lit_memopt.rewards.crsp_rewards import (
     think_text,
 )
 from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
+from lit_memopt.models.adapters import active_adapter
 from lit_memopt.models.sharding import shard_for_fsdp2
 
 __all__ = ["CRSPModule", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
@@ -327,17 +330,17 @@ class CRSPModule(pl.LightningModule):
         return batch
 
     # ------------------------------------------------------------------------------- helpers
-    def _use_role(self, role: str) -> None:
-        if self.hparams.role_adapters:
-            self.model.set_adapter(role)
+    def _role(self, role: str) -> contextlib.AbstractContextManager:
+        """The role's LoRA adapter active inside the block (the previous one restored after it)."""
+        return active_adapter(self.model, role if self.hparams.role_adapters else None)
 
     def _seed(self, role: str) -> int:
         return int(self.hparams.seed) * 1_000_003 + int(self.global_step) * 7919 + ROLES.index(role) * 131
 
     def _generate(self, role: str, prompts: list[str], num_samples: int, max_new_tokens: int) -> tuple[Rollout, list[str]]:
-        self._use_role(role)
-        rollout = generate(self.model, prompts, tokenizer=self.tokenizer, num_samples=num_samples,
-                           max_new_tokens=max_new_tokens, temperature=self.hparams.temperature, seed=self._seed(role))
+        with self._role(role):
+            rollout = generate(self.model, prompts, tokenizer=self.tokenizer, num_samples=num_samples,
+                               max_new_tokens=max_new_tokens, temperature=self.hparams.temperature, seed=self._seed(role))
         return rollout, rollout.decode_responses(self.tokenizer)
 
     def _total_steps(self) -> int:
@@ -422,11 +425,14 @@ class CRSPModule(pl.LightningModule):
 
     # ---------------------------------------------------------------------------------- loss
     def _role_backward(self, role: str, rollout: Rollout, rewards: torch.Tensor) -> torch.Tensor:
-        """TR-RPG loss of one role, backpropagated micro-batch by micro-batch; returns its value."""
+        """TR-RPG loss of one role, backpropagated micro-batch by micro-batch (its adapter active); returns its value."""
+        with self._role(role):
+            return self._role_backward_active(role, rollout, rewards)
+
+    def _role_backward_active(self, role: str, rollout: Rollout, rewards: torch.Tensor) -> torch.Tensor:
         from lit_memopt.ops import linear_logprobs, tr_rpg_loss
 
         hp = self.hparams
-        self._use_role(role)
         ids, attn, resp = rollout.input_ids, rollout.attention_mask, rollout.response_mask
         counted = resp.clone()
         counted[:, 0] = False

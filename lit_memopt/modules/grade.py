@@ -24,6 +24,7 @@ from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
 from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax
 from lit_memopt.rewards.grade_reward import build_rule_reward_model, sequence_reward
+from lit_memopt.models.adapters import reference_model
 from lit_memopt.models.sharding import RootCall, is_fsdp_sharded, shard_for_fsdp2
 
 MEMORY_MODES = ("optimized", "legacy")
@@ -259,12 +260,8 @@ class GradeModule(pl.LightningModule):
     @contextlib.contextmanager
     def _reference_mode(self) -> Iterator[nn.Module]:
         """The reference network, without grad (adapters disabled on a LoRA policy)."""
-        with torch.no_grad():
-            if self.reference is not None:
-                yield self.reference
-            else:
-                with self.policy.disable_adapter():
-                    yield self.policy
+        with torch.no_grad(), reference_model(self.policy, self.reference) as reference:
+            yield reference
 
     def _reference_head(self) -> tuple[Tensor, Tensor | None]:
         model = self.reference if self.reference is not None else self.policy

@@ -20,6 +20,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from lit_memopt.models import decoder_hidden_states, lm_head_weight
+from lit_memopt.models.tokens import left_pad
+from lit_memopt.models.adapters import is_peft_model, reference_model as reference_network
 
 __all__ = [
     "Rollout",
@@ -76,11 +78,6 @@ class Rollout:
         return texts
 
 
-def is_peft_model(model: torch.nn.Module) -> bool:
-    """True for a peft-wrapped model, whose ``disable_adapter()`` yields the base (reference) policy."""
-    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
-
-
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as transformers' ``generate`` uses them.
 
@@ -92,15 +89,10 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long, device=device)
     for row, seq in enumerate(sequences):
         if len(seq) == 0:
             raise ValueError(f"prompt {row} is empty; every prompt needs at least one token.")
-        ids[row, length - len(seq) :] = torch.tensor(list(seq), dtype=torch.long, device=device)
-        mask[row, length - len(seq) :] = 1
-    return ids, mask
+    return left_pad(sequences, pad_id, device=device)
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -394,10 +386,8 @@ def reference_logprobs(
             "so pass reference_model=<frozen copy>, or enable LoRA (model.lora) to share the base weights."
         )
     step = input_ids.shape[0] if micro_batch_size is None else int(micro_batch_size)
-    context = contextlib.nullcontext() if reference_model is not None else model.disable_adapter()
-    scorer = reference_model if reference_model is not None else model
     outputs = []
-    with torch.no_grad(), context, _eval_mode(scorer):
+    with torch.no_grad(), reference_network(model, reference_model) as scorer, _eval_mode(scorer):
         for start in range(0, input_ids.shape[0], step):
             rows = slice(start, start + step)
             outputs.append(

@@ -1,0 +1,56 @@
+"""LoRA adapters (peft) switched on and off around a block: the reference policy and per-role adapters.
+
+One place for what GRADE, the rollout helpers and CRSP each need: the frozen reference is either a
+separate copy or the policy itself with its adapters disabled (sharing every base weight), and a
+role's adapter is active only inside its block, the previous one restored after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+__all__ = ["is_peft_model", "reference_model", "active_adapter"]
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """True for a peft-wrapped model, whose ``disable_adapter()`` yields the base (reference) policy."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+@contextlib.contextmanager
+def reference_model(policy: nn.Module, reference: nn.Module | None = None) -> Iterator[nn.Module]:
+    """The reference network: ``reference`` when given, else ``policy`` with its LoRA adapters disabled.
+
+    Raises:
+        ValueError: with no ``reference`` and a policy that is not a peft model (nothing to disable).
+    """
+    if reference is not None:
+        yield reference
+        return
+    if not is_peft_model(policy):
+        raise ValueError(
+            "a reference model is needed: the policy is not a peft model (no adapter to disable), so pass a frozen "
+            "copy, or enable LoRA (model.lora) to share the base weights."
+        )
+    with policy.disable_adapter():
+        yield policy
+
+
+@contextlib.contextmanager
+def active_adapter(model: nn.Module, name: str | None) -> Iterator[nn.Module]:
+    """Make adapter ``name`` the active one inside the block and restore the previous one after it.
+
+    ``name=None`` (or a model without adapters) changes nothing.
+    """
+    if name is None or not is_peft_model(model):
+        yield model
+        return
+    previous = model.active_adapter
+    model.set_adapter(name)
+    try:
+        yield model
+    finally:
+        model.set_adapter(previous)
