@@ -190,9 +190,13 @@ def combine_outputs(outputs: list[tuple[Any, float]], total: torch.Tensor | None
 
 def empty_cache() -> None:
     """Collect garbage and give cached device memory back after a failed attempt."""
-    gc.collect()
+    from lightning.pytorch.utilities.memory import garbage_collection_cuda
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        garbage_collection_cuda()  # gc, then the CUDA cache (tolerating an OOM inside empty_cache itself)
+    else:
+        gc.collect()
+    # Lightning's helper covers CUDA only; the other accelerators' caches are emptied here.
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         torch.xpu.empty_cache()
     if torch.backends.mps.is_available():

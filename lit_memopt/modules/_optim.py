@@ -15,8 +15,10 @@ def adamw_with_warmup(
     betas: Sequence[float],
     warmup_steps: int,
 ) -> dict[str, Any]:
-    """``configure_optimizers`` output: AdamW, its rate rising linearly over ``warmup_steps``, then constant."""
+    """``configure_optimizers`` output: AdamW, its rate rising linearly over ``warmup_steps``, then constant
+    (transformers' ``get_constant_schedule_with_warmup``: step ``s < warmup_steps`` runs at ``s / warmup_steps``)."""
+    from transformers import get_constant_schedule_with_warmup
+
     optimizer = torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, betas=tuple(betas))
-    warmup = max(1, int(warmup_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=int(warmup_steps))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

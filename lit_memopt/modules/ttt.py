@@ -196,18 +196,15 @@ class TTTModule(pl.LightningModule):
         if not groups:
             raise ValueError("TTTModule: no trainable parameters (check module.base_lr and the integration layers).")
         optimizer = torch.optim.AdamW(groups, betas=tuple(self.hparams.betas))
+        from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
+
         warmup = int(self.hparams.warmup_steps)
-        floor = float(self.hparams.min_lr_ratio)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else float("inf")
-        total = int(total) if math.isfinite(total) else None
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            if total is None or total <= warmup:
-                return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        if math.isfinite(total) and int(total) > warmup:
+            # linear warm-up, then cosine decay to min_lr_ratio of each group's rate at the last step
+            scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+                optimizer, num_warmup_steps=warmup, num_training_steps=int(total), min_lr_rate=float(self.hparams.min_lr_ratio)
+            )
+        else:
+            scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
