@@ -292,7 +292,9 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
             pl.callbacks.ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=None)
         )
     if cfg.trainer.get("enable_progress_bar", True):
-        callbacks.append(pl.callbacks.RichProgressBar(leave=True))
+        from lit_memopt._progress import StepAwareProgressBar
+
+        callbacks.append(StepAwareProgressBar(leave=True))
     trainer = instantiate(cfg.trainer, _partial_=True)(callbacks=callbacks, logger=run.logger)
 
     started = time.perf_counter()
