@@ -72,16 +72,24 @@ def reduce_logged(values: list[tuple[Any, float]], reduce_fx: Any) -> Any:
     last = values[-1][0]
     if len(values) == 1 or not all(isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool) for v, _ in values):
         return last  # e.g. a torchmetrics Metric: it accumulated its own state per micro-batch
-    device = last.device if isinstance(last, torch.Tensor) else None
-    tensors = torch.stack([torch.as_tensor(v, device=device).detach().float().reshape(()) for v, _ in values])
     fx = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
-    if fx == "mean":
-        weights = torch.tensor([s for _, s in values], dtype=tensors.dtype, device=tensors.device)
-        return (tensors * weights).sum() / weights.sum()
-    if fx == "sum":
-        return tensors.sum()
-    if fx in ("max", "amax"):
-        return tensors.max()
-    if fx in ("min", "amin"):
-        return tensors.min()
-    return last
+    aggregator = _AGGREGATORS.get(fx)
+    if aggregator is None:
+        return last
+    from torchmetrics import aggregation
+
+    device = last.device if isinstance(last, torch.Tensor) else torch.device("cpu")
+    # torchmetrics' aggregation metrics, local to this rank (Lightning's logging syncs ranks afterwards).
+    metric = getattr(aggregation, aggregator)(nan_strategy="disable", sync_on_compute=False).to(device)
+    for value, share in values:
+        value = torch.as_tensor(value, device=device).detach().float().reshape(())
+        if aggregator == "MeanMetric":
+            metric.update(value, weight=torch.tensor(share, device=device))
+        else:
+            metric.update(value)
+    return metric.compute()
+
+
+# Lightning's reduce_fx names -> torchmetrics aggregation metric (MeanMetric is weighted by the shares)
+_AGGREGATORS = {"mean": "MeanMetric", "sum": "SumMetric", "max": "MaxMetric", "amax": "MaxMetric", "min": "MinMetric",
+                "amin": "MinMetric"}

@@ -74,6 +74,9 @@ def _first_item_list_length(obj: Any) -> int | None:
 def infer_batch_size(batch: Any) -> int:
     """The number of samples in ``batch``: the first dimension of its first tensor of rank >= 1.
 
+    Not Lightning's ``extract_batch_size``: that counts a 0-dim tensor as a batch of 1 and cannot
+    size a batch of non-tensor items (prompts, programs), both of which RL batches hold.
+
     A batch with no tensors (e.g. a list of prompts) has the length of its first list of items.
 
     Raises:
@@ -99,6 +102,10 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
 
 def slice_batch(batch: Any, start: int, end: int, batch_size: int) -> Any:
     """Samples ``start:end`` of ``batch``, keeping its structure.
+
+    Not ``torch.utils._pytree.tree_map``: a list of ``batch_size`` non-tensor items is one leaf to
+    slice here, where pytree would descend into it, and dataclasses and ``BatchEncoding`` are not
+    registered pytree nodes.
 
     Tensors whose first dimension is ``batch_size`` are sliced (views, no copy); lists/tuples of
     non-tensor items of length ``batch_size`` (prompts, ids, ragged token lists) are sliced; mappings

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     ActivationWrapper,
     CheckpointImpl,
+    apply_activation_checkpointing,
     checkpoint_wrapper,
 )
 
@@ -178,21 +179,27 @@ class ActivationCheckpointing(Callback):
             )
         offload = self.offload_to_cpu if offload is None else offload
         pin = self.pin_memory and torch.cuda.is_available()
-        checkpointed, offloaded = [], []
         self.layer_types = sorted({type(m).__name__ for _, m in layers})
-        for index, (name, module) in enumerate(layers):
+        # id(module) -> (checkpoint it?, offload it?): every k-th layer is checkpointed, all are offloaded when asked
+        plan = {id(module): (index % self.every_k_layers == 0, offload) for index, (_, module) in enumerate(layers)}
+        plan = {key: todo for key, todo in plan.items() if any(todo)}
+
+        def wrap(module: nn.Module) -> nn.Module:
+            checkpoint_it, offload_it = plan[id(module)]
             wrapped: nn.Module = module
-            if index % self.every_k_layers == 0:
+            if checkpoint_it:
                 wrapped = checkpoint_wrapper(
                     module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=self.preserve_rng_state
                 )
-                checkpointed.append(name)
-            if offload:
+            if offload_it:
                 # Outside the checkpoint wrapper: its saved inputs go to the host; inside it nothing else is saved.
                 wrapped = _SaveOnCpuWrapper(wrapped, pin_memory=pin)
-                offloaded.append(name)
-            if wrapped is not module:
-                _replace_submodule(root, name, wrapped)
+            return wrapped
+
+        # torch's own selection-and-wrap walk; the selection (outermost matches, every k-th) is ours.
+        apply_activation_checkpointing(root, checkpoint_wrapper_fn=wrap, check_fn=lambda m: id(m) in plan)
+        checkpointed = [name for index, (name, _) in enumerate(layers) if index % self.every_k_layers == 0]
+        offloaded = [name for name, _ in layers] if offload else []
         _disable_kv_cache(root)
         self.checkpointed, self.offloaded = checkpointed, offloaded
         self._applied = True
@@ -236,17 +243,6 @@ def _no_split_classes(root: nn.Module) -> set[str]:
         if names:
             return set(names)
     return set()
-
-
-def _replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    # Resolve the parent through any wrapper already placed above it.
-    parent = root
-    for part in parent_name.split(".") if parent_name else []:
-        parent = getattr(parent, part)
-        if isinstance(parent, ActivationWrapper):
-            parent = parent._checkpoint_wrapped_module
-    setattr(parent, child, new)
 
 
 def _disable_kv_cache(root: nn.Module) -> None:

@@ -437,6 +437,8 @@ class MemoryMonitor(Callback):
             return
         self._enter(None)
         self.metrics.micro_batches += 1
+        # Totals over the whole run (summed over ranks in the report): Lightning's ThroughputMonitor logs
+        # windowed rates and syncs ranks itself, which the end-of-fit table does not need.
         self.metrics.samples += _batch_size(batch)
         self.metrics.train_seconds += time.perf_counter() - self._batch_t0
         if trainer.global_step == self._step_start_global:
@@ -657,11 +659,12 @@ class MemoryMonitor(Callback):
 
 
 def _batch_size(batch: Any) -> int:
-    from lightning.pytorch.utilities.data import _extract_batch_size
+    """Samples in a batch, counted as OOMRecovery counts them (1 when the batch has no batch dimension)."""
+    from lit_memopt.callbacks._micro_batching import infer_batch_size
 
     try:
-        return next(iter(_extract_batch_size(batch)), 1)
-    except Exception:
+        return infer_batch_size(batch)
+    except ValueError:
         return 1
 
 
