@@ -32,14 +32,16 @@ class _PromptDataset(Dataset):
         return self.input_ids.shape[0]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index]}
+        # "index": the sample's identity, from which per-sample randomness is derived (split-invariant)
+        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index], "index": index}
 
 
 class PromptDataModule(LightningDataModule):
     """Synthetic text prompts, tokenized and left-padded to a fixed length, for methods that generate.
 
     Prompts are random word sequences drawn with a fixed seed at construction (no downloads). Each
-    batch is ``{"input_ids": [B, P], "attention_mask": [B, P]}`` with padding on the left, so a
+    batch is ``{"input_ids": [B, P], "attention_mask": [B, P], "index": [B]}`` (``index``: each prompt's
+    position in its split, from which per-sample noise is derived) with padding on the left, so a
     causal LM can append new tokens directly after the last prompt token. Prompts longer than
     ``prompt_length`` tokens keep their last ``prompt_length`` tokens.
 

@@ -40,6 +40,7 @@ from lit_memopt.rewards.crsp_rewards import (
 from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
 from lit_memopt.models.adapters import active_adapter
 from lit_memopt.models.sharding import shard_for_fsdp2
+from lit_memopt.seeding import derive_seed
 
 __all__ = ["CRSPModule", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
 
@@ -335,7 +336,8 @@ class CRSPModule(pl.LightningModule):
         return active_adapter(self.model, role if self.hparams.role_adapters else None)
 
     def _seed(self, role: str) -> int:
-        return int(self.hparams.seed) * 1_000_003 + int(self.global_step) * 7919 + ROLES.index(role) * 131
+        # distinct per rank, step and role; the same on a resumed or retried step
+        return derive_seed(self.hparams.seed, rank=self.global_rank, step=self.global_step, stream=f"crsp/{role}")
 
     def _generate(self, role: str, prompts: list[str], num_samples: int, max_new_tokens: int) -> tuple[Rollout, list[str]]:
         with self._role(role):

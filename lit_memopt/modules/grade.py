@@ -25,6 +25,7 @@ from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
 from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax
 from lit_memopt.rewards.grade_reward import build_rule_reward_model, sequence_reward
 from lit_memopt.models.adapters import reference_model
+from lit_memopt.seeding import derive_seed, generator_for
 from lit_memopt.models.sharding import RootCall, is_fsdp_sharded, shard_for_fsdp2
 
 MEMORY_MODES = ("optimized", "legacy")
@@ -69,10 +70,6 @@ def _entropy(logits: Tensor) -> Tensor:
     logp = logits.detach().log_softmax(dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
 
-
-def _step_seed(noise_seed: int, step: int, batch_idx: int) -> int:
-    # A seed per (step, batch) keeps resumed and OOM-retried steps reproducible without generator state.
-    return (int(noise_seed) * 1_000_003 + int(step) * 7_919 + int(batch_idx)) % (2**63 - 1)
 
 
 class GradeModule(pl.LightningModule):
@@ -245,16 +242,35 @@ class GradeModule(pl.LightningModule):
         frac = 1.0 if anneal == 0 else min(1.0, step / anneal)
         return float(self.hparams.tau_start + (self.hparams.tau_end - self.hparams.tau_start) * frac)
 
-    def noise_generator(self, like: Tensor, step: int, batch_idx: int) -> torch.Generator | None:
-        """The Gumbel noise generator of one (step, batch); ``None`` for fake/meta tensors (memory estimates),
-        which cannot draw from a generator."""
+    def noise_generators(
+        self, like: Tensor, step: int, batch_idx: int, sample_index: Tensor | None = None
+    ) -> list[torch.Generator] | torch.Generator | None:
+        """The Gumbel noise of one step: a generator per sample, or ``None`` for fake/meta tensors (memory
+        estimates), which cannot draw from a generator.
+
+        With ``sample_index`` (the dataset index of each row, ``[B]``) each row's noise depends on (seed, rank,
+        step, sample) only, so a step split into micro-batches draws exactly the noise of the unsplit step.
+        Without it, one generator per (rank, step, batch) draws the batch's noise.
+        """
         from torch._subclasses.fake_tensor import is_fake
 
         if like.device.type == "meta" or is_fake(like):
             return None
-        generator = torch.Generator(device=like.device)
-        generator.manual_seed(_step_seed(self.hparams.noise_seed, step, batch_idx))
-        return generator
+        base, rank = int(self.hparams.noise_seed), int(self.global_rank)
+        if sample_index is None:
+            return generator_for(like.device, derive_seed(base, rank=rank, step=step, index=batch_idx, stream="grade/batch"))
+        return [
+            generator_for(like.device, derive_seed(base, rank=rank, step=step, index=int(i), stream="grade/sample"))
+            for i in sample_index.tolist()
+        ]
+
+    @staticmethod
+    def _sample_topk(logits: Tensor, tau: float, k: int, hard: bool, generator: Any) -> tuple[Tensor, Tensor]:
+        """``topk_gumbel_softmax`` with one generator, or row by row with one generator per sample."""
+        if not isinstance(generator, list):
+            return topk_gumbel_softmax(logits, tau, k, hard=hard, generator=generator)
+        rows = [topk_gumbel_softmax(logits[b : b + 1], tau, k, hard=hard, generator=g) for b, g in enumerate(generator)]
+        return torch.cat([w for w, _ in rows]), torch.cat([i for _, i in rows])
 
     # ------------------------------------------------------------------ models
     @contextlib.contextmanager
@@ -325,7 +341,7 @@ class GradeModule(pl.LightningModule):
         attention_mask: Tensor | None = None,
         *,
         tau: float,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> GradeOutput:
         """Generate soft tokens from left-padded prompts, score them and return the GRADE loss."""
         if attention_mask is None:
@@ -341,7 +357,7 @@ class GradeModule(pl.LightningModule):
             return root(self._optimized, input_ids, attention_mask, tau, generator)
         return self._optimized(input_ids, attention_mask, tau, generator)
 
-    def _optimized(self, input_ids: Tensor, attention_mask: Tensor, tau: float, generator: torch.Generator | None) -> GradeOutput:
+    def _optimized(self, input_ids: Tensor, attention_mask: Tensor, tau: float, generator: Any) -> GradeOutput:
         hp = self.hparams
         steps = int(hp.max_new_tokens)
         batch = input_ids.shape[0]
@@ -371,7 +387,7 @@ class GradeModule(pl.LightningModule):
         for t in range(steps):
             # Only this position's [B, V] logits exist, and only until top-k has picked from them.
             logits = _logits(hidden, weight, bias)
-            weights, ids = topk_gumbel_softmax(logits, tau, k, hard=bool(hp.hard), generator=generator)
+            weights, ids = self._sample_topk(logits, tau, k, bool(hp.hard), generator)
             with torch.no_grad():
                 policy_entropy.append(_entropy(logits))
             del logits
@@ -408,7 +424,7 @@ class GradeModule(pl.LightningModule):
             weights=all_weights, ids=all_ids,
         )
 
-    def _legacy(self, input_ids: Tensor, attention_mask: Tensor, tau: float, generator: torch.Generator | None) -> GradeOutput:
+    def _legacy(self, input_ids: Tensor, attention_mask: Tensor, tau: float, generator: Any) -> GradeOutput:
         if is_fsdp_sharded(self.policy):
             raise ValueError("module.memory_mode=legacy (the dense baseline) does not run on trainer=fsdp2; use memory_mode=optimized")
         hp = self.hparams
@@ -433,7 +449,7 @@ class GradeModule(pl.LightningModule):
                     input_ids=ids_so_far, attention_mask=mask, position_ids=positions, use_cache=False
                 ).last_hidden_state[:, -1]
                 ref_logits = _logits(ref_hidden, ref_weight, ref_bias)
-            weights, ids = topk_gumbel_softmax(logits, tau, vocab, hard=bool(hp.hard), generator=generator)
+            weights, ids = self._sample_topk(logits, tau, vocab, bool(hp.hard), generator)
             soft = logits.new_zeros(batch, vocab).scatter(-1, ids, weights)
             logits_steps.append(logits)
             ref_logits_steps.append(ref_logits)
@@ -466,7 +482,7 @@ class GradeModule(pl.LightningModule):
     # ------------------------------------------------------------------ Lightning hooks
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         tau = self.current_tau()
-        generator = self.noise_generator(batch["input_ids"], self.global_step, batch_idx)
+        generator = self.noise_generators(batch["input_ids"], self.global_step, batch_idx, batch.get("index"))
         out = self.generate_and_score(batch["input_ids"], batch.get("attention_mask"), tau=tau, generator=generator)
         size = batch["input_ids"].shape[0]
         self.log("train/loss", out.loss.detach(), batch_size=size)
@@ -478,7 +494,7 @@ class GradeModule(pl.LightningModule):
         return out.loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        generator = self.noise_generator(batch["input_ids"], -1, batch_idx)
+        generator = self.noise_generators(batch["input_ids"], -1, batch_idx, batch.get("index"))
         out = self.generate_and_score(batch["input_ids"], batch.get("attention_mask"), tau=self.current_tau(), generator=generator)
         size = batch["input_ids"].shape[0]
         self.log("val/reward", out.reward.mean(), prog_bar=True, batch_size=size, sync_dist=True)

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_memopt.models import lm_head_weight
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.models.sharding import shard_for_fsdp2
+from lit_memopt.seeding import derive_seed
 from lit_memopt.modules.rollout import (
     Rollout,
     scatter_response,
@@ -159,7 +160,8 @@ class IntuitorModule(pl.LightningModule):
 
     def _rollout_seed(self, batch_idx: int) -> int:
         # Distinct per step and rank, reproducible for a fixed module seed.
-        return (int(self.hparams.seed) * 1_000_003 + int(self.global_step) * 7_919 + batch_idx * 131 + self.global_rank) % (2**31)
+        return derive_seed(self.hparams.seed, rank=self.global_rank, step=self.global_step, index=batch_idx,
+                           stream="intuitor/rollout")
 
     def _rollout(self, batch: dict[str, Any], num_samples: int, seed: int) -> Rollout:
         return generate(
@@ -263,7 +265,9 @@ class IntuitorModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # Fixed seeds per batch index: validation numbers are comparable across steps and runs.
-        rollout, certainty = self.sample_self_certainty(batch, 1, int(self.hparams.seed) + batch_idx)
+        rollout, certainty = self.sample_self_certainty(
+            batch, 1, derive_seed(self.hparams.seed, rank=self.global_rank, index=batch_idx, stream="intuitor/val")
+        )
         num_prompts = batch["input_ids"].shape[0]
         self.log("val/self_certainty", certainty.mean(), batch_size=num_prompts, sync_dist=True)
         self.log("val/response_length", rollout.response_lengths.float().mean(), batch_size=num_prompts, sync_dist=True)
