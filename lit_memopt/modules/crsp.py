@@ -465,7 +465,9 @@ class CRSPModule(pl.LightningModule):
                     "ref": ref[rows], "advantages": advantages[rows]}
             # With an OOMRecovery callback this micro-batch is split further (and retried) on an OOM;
             # without one it is one forward + manual_backward.
-            loss = OOMRecovery.run_micro_batches(self, part, functools.partial(micro_batch_loss, share=share))
+            # The loss is a token mean: an OOM split weights its pieces by their response tokens.
+            loss = OOMRecovery.run_micro_batches(self, part, functools.partial(micro_batch_loss, share=share),
+                                                 sample_weights=counted[rows].sum(dim=-1))
             if loss is not None:
                 value = value + loss
         return value
