@@ -25,7 +25,7 @@ from lit_memopt.callbacks._optimizer_retry import oom_message
 from lit_memopt.callbacks._rank_agreement import ERROR, OK, OOM, PHASE_CODES, PHASES, PeerFailure, RankAgreement
 from lit_memopt.memory.oom import is_oom_error
 
-__all__ = ["SplitOptions", "Attempt", "split_batch", "run_attempt", "loss_of", "combine_outputs", "empty_cache"]
+__all__ = ["add_gradients", "restore_gradients", "SplitOptions", "Attempt", "split_batch", "run_attempt", "loss_of", "combine_outputs", "empty_cache"]
 
 LOSS_WEIGHTINGS = ("samples", "tokens", "none")
 
@@ -186,6 +186,30 @@ def combine_outputs(outputs: list[tuple[Any, float]], total: torch.Tensor | None
         else:
             combined[key] = values[-1][0]
     return combined
+
+
+def restore_gradients(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    """Put ``grads`` back as the parameters' ``.grad`` (how the loop sets gradients aside and returns them)."""
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def add_gradients(params: list[torch.nn.Parameter], new_grads: list[torch.Tensor | None], average: Callable[[], None] | None) -> None:
+    """Add this batch's ``new_grads`` to the parameters' gradients; ``average()`` first averages the new ones
+    over ranks (earlier accumulated gradients were averaged already)."""
+    if average is not None:
+        stash = [p.grad for p in params]
+        restore_gradients(params, new_grads)
+        average()
+        new_grads = [p.grad for p in params]
+        restore_gradients(params, stash)
+    for p, g in zip(params, new_grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
 
 def empty_cache() -> None:

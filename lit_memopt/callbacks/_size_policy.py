@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memopt.callbacks._micro_batching import grow_size, shrink_size
 from lit_memopt.callbacks._rank_agreement import RankAgreement
 
-__all__ = ["MicroBatchSizePolicy", "SHRINK_POLICIES"]
+__all__ = ["MicroBatchSizePolicy", "SHRINK_POLICIES", "estimated_initial_size"]
 
 SHRINK_POLICIES = ("halve", "divisor")
 _MAX_BACKOFF_EXPONENT = 10
@@ -158,3 +158,25 @@ class MicroBatchSizePolicy:
         self.clean_batches = int(state.get("clean_batches", 0))
         self.grow_failures = int(state.get("grow_failures", 0))
         self.grow_wait = int(state.get("grow_wait", self.grow_after_steps or 0))
+
+
+def estimated_initial_size(
+    trainer: Any, module: Any, batch: Any, batch_size: int, free_bytes: int, margin: float, min_size: int,
+    agree: RankAgreement,
+) -> int | None:
+    """The first micro-batch size from a fake-tensor estimate of the step against ``free_bytes``.
+
+    Every rank estimates its own batch against its own free memory; the ranks then agree on the
+    smallest result, so that they all start from the same size. ``None`` means the whole batch.
+    """
+    from lit_memopt.memory.estimate import EstimateError, initial_micro_batch_from_estimate
+
+    try:
+        size = initial_micro_batch_from_estimate(trainer, module, batch, free_bytes, margin)
+    except EstimateError as exc:
+        rank_zero_warn(f"OOMRecovery: initial_micro_batch_size='estimate' cannot size this step ({exc}); starting with the whole batch.")
+        size = batch_size
+    (size,) = agree.min(int(size))
+    size = max(min_size, min(size, batch_size))
+    rank_zero_info(f"OOMRecovery: estimated starting micro-batch size {size} of {batch_size}")
+    return None if size >= batch_size else size

@@ -23,14 +23,17 @@ from lit_memopt.callbacks._log_replay import LogReplay
 from lit_memopt.callbacks._micro_batch_loop import (
     LOSS_WEIGHTINGS,
     SplitOptions,
+    add_gradients,
+    restore_gradients,
     empty_cache,
     run_attempt,
     split_batch,
 )
 from lit_memopt.callbacks._micro_batching import per_sample_tokens
+from lit_memopt.callbacks._oom_messages import micro_batch_fatal_message, optimizer_fatal_message
 from lit_memopt.callbacks._optimizer_retry import OptimizerStepRetry
 from lit_memopt.callbacks._rank_agreement import ERROR, OK, RankAgreement
-from lit_memopt.callbacks._size_policy import SHRINK_POLICIES, MicroBatchSizePolicy
+from lit_memopt.callbacks._size_policy import SHRINK_POLICIES, MicroBatchSizePolicy, estimated_initial_size
 
 __all__ = ["OOMRecovery", "OOMRecoveryError"]
 
@@ -444,24 +447,13 @@ class OOMRecovery(Callback):
 
     # ================================================================== one batch
     def _resolve_initial_micro_batch_size(self, trainer: Trainer, module: LightningModule, batch: Any, batch_size: int) -> int | None:
-        """The size the first batch starts with; ``"estimate"`` sizes it from a fake-tensor estimate.
-
-        Every rank estimates its own batch against its own free memory; the ranks then agree on the
-        smallest result, so that they all start from the same size.
-        """
+        """The size the first batch starts with (``"estimate"``: from a fake-tensor estimate, smallest over ranks)."""
         if self.initial_micro_batch_size != "estimate":
             return self.initial_micro_batch_size
-        from lit_memopt.memory.estimate import EstimateError, initial_micro_batch_from_estimate
-
-        try:
-            size = initial_micro_batch_from_estimate(trainer, module, batch, self._free_bytes(module), DEFAULT_ESTIMATE_MARGIN)
-        except EstimateError as exc:
-            rank_zero_warn(f"OOMRecovery: initial_micro_batch_size='estimate' cannot size this step ({exc}); starting with the whole batch.")
-            size = batch_size
-        (size,) = self._agree.min(int(size))
-        size = max(self.min_micro_batch_size, min(size, batch_size))
-        rank_zero_info(f"OOMRecovery: estimated starting micro-batch size {size} of {batch_size}")
-        return None if size >= batch_size else size
+        return estimated_initial_size(
+            trainer, module, batch, batch_size, self._free_bytes(module), DEFAULT_ESTIMATE_MARGIN, self.min_micro_batch_size,
+            self._agree,
+        )
 
     @staticmethod
     def _free_bytes(module: LightningModule) -> int:
@@ -527,7 +519,7 @@ class OOMRecovery(Callback):
                 break
             self._free_attempt(params, trainer, module)
             if attempt.status == ERROR:
-                _restore(params, stash)
+                restore_gradients(params, stash)
                 if attempt.error is not None:
                     raise attempt.error
                 raise OOMRecoveryError(
@@ -539,14 +531,14 @@ class OOMRecovery(Callback):
                 size, grow_from = self.policy.growth_failed(trainer.global_step, size, grow_from), None
                 continue
             if not self.policy.can_shrink(size):
-                _restore(params, stash)
+                restore_gradients(params, stash)
                 raise OOMRecoveryError(
                     self._fatal_message(trainer, module, attempt.phase, size, attempt.message), oom_recorded=True
                 )
             size = self.policy.shrunk(size, global_batch_size, trainer.global_step)
 
         new_grads = [p.grad for p in params]
-        _restore(params, stash)
+        restore_gradients(params, stash)
         self._last_effective_size = min(size, batch_size)
         self.policy.measure_end(module.device, self._last_effective_size)
         self.policy.succeeded(trainer.global_step, size, grow_from, had_oom)
@@ -563,20 +555,7 @@ class OOMRecovery(Callback):
 
     # ------------------------------------------------------------------ gradients
     def _add_grads(self, params: list[torch.nn.Parameter], new_grads: list[torch.Tensor | None], average: bool, device: torch.device) -> None:
-        if average:
-            # Average only this batch's gradients: earlier accumulated ones were averaged already.
-            stash = [p.grad for p in params]
-            _restore(params, new_grads)
-            self._sync.average(params, device)
-            new_grads = [p.grad for p in params]
-            _restore(params, stash)
-        for p, g in zip(params, new_grads):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        add_gradients(params, new_grads, (lambda: self._sync.average(params, device)) if average else None)
 
     def _deliver_pending_grads(self, module: LightningModule) -> None:
         pending, self._pending_grads = self._pending_grads, None
@@ -624,38 +603,14 @@ class OOMRecovery(Callback):
 
     # ------------------------------------------------------------------ messages
     def _optimizer_fatal_message(self, message: str, retryable: bool, local: bool) -> str:
-        where = "on this rank" if local else "on another rank"
-        why = (
-            "it ran out of memory again after freeing memory and retrying"
-            if retryable
-            else "it had already updated parameters or optimizer state in place, so retrying would apply part of the update twice"
-        )
         device = self._module.device if self._module is not None else torch.device("cpu")
-        return (
-            f"OOMRecovery: out of memory in the optimizer step at step {self._current_step()} {where}; {why}. "
-            f"Memory: {_memory_state(device)}. Error: {message or 'n/a'}. "
-            "Micro-batching cannot shrink the optimizer's memory: use an optimizer with less state, "
-            "`foreach=False`, or a sharded strategy. Weights are those of the last completed step; "
-            f"{_checkpoint_note(self._trainer)}"
-        )
+        return optimizer_fatal_message(self._current_step(), message, retryable, local, device, self._trainer)
 
     def _fatal_message(self, trainer: Trainer, module: LightningModule, phase: str, size: int, message: str) -> str:
-        return (
-            f"OOMRecovery: out of memory in {phase} at step {trainer.global_step} (epoch {trainer.current_epoch}) "
-            f"with micro-batch size {size}, which is min_micro_batch_size={self.min_micro_batch_size}: cannot shrink "
-            f"further. Memory: {_memory_state(module.device)}. Error: {message}. "
-            "Weights are those of the last completed optimizer step; this step's gradients were freed. "
-            f"{_checkpoint_note(trainer)} Reduce the sequence length or model size, enable activation "
-            "checkpointing, or use a device with more memory."
-        )
+        return micro_batch_fatal_message(trainer, module.device, phase, size, self.min_micro_batch_size, message)
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _restore(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
-    for p, g in zip(params, grads):
-        p.grad = g
-
-
 def _should_accumulate(trainer: Trainer) -> bool:
     try:
         return bool(trainer.fit_loop._should_accumulate())
@@ -670,25 +625,3 @@ def _memory_monitor(trainer: Trainer | None) -> Any:
     from lit_memopt.callbacks.memory_monitor import MemoryMonitor
 
     return MemoryMonitor.find(trainer)
-
-
-def _memory_state(device: torch.device) -> str:
-    try:
-        from lit_memopt.memory.stats import memory_snapshot
-
-        snap = memory_snapshot(device)
-        gib = 2**30
-        return (
-            f"{snap.device}: allocated {snap.allocated_bytes / gib:.2f} GiB, reserved {snap.reserved_bytes / gib:.2f} GiB, "
-            f"peak {snap.peak_bytes / gib:.2f} GiB, free {snap.free_bytes / gib:.2f} of {snap.total_bytes / gib:.2f} GiB"
-        )
-    except Exception as e:  # noqa: BLE001 - the error message must not fail because a probe did
-        return f"unavailable ({type(e).__name__})"
-
-
-def _checkpoint_note(trainer: Trainer | None) -> str:
-    callback = getattr(trainer, "checkpoint_callback", None) if trainer is not None else None
-    path = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "") if callback else ""
-    if path:
-        return f"The last good checkpoint is {path} (not overwritten)."
-    return "No checkpoint was written by this failure."
