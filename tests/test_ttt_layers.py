@@ -343,3 +343,66 @@ def test_bad_arguments_name_the_argument():
         TTTConfig(layer_type="conv")
     with pytest.raises(ValueError, match="budget_fraction"):
         auto_checkpoint_group_size(4, 1, 1, budget_fraction=0.0)
+
+
+def test_auto_planning_counts_the_layers_given_at_construction():
+    """``auto_num_layers`` is a constructor argument: the model passes its ``num_layers``, and with
+    free memory that holds one layer's saved scan but not three, one layer keeps everything (0)
+    while a layer planned for three recomputes itself in one pass (n)."""
+    n, batch = 8, 2
+    single = TTTLinear(16, 2, mini_batch_size=4, checkpoint_group_size="auto")
+    triple = TTTLinear(16, 2, mini_batch_size=4, checkpoint_group_size="auto", auto_num_layers=3)
+    assert single.auto_num_layers == 1 and triple.auto_num_layers == 3
+    low, high = 0, 10**9  # the least free memory at which one layer stores its whole scan
+    assert single.auto_group_size(n, batch, available_bytes=high) == 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if single.auto_group_size(n, batch, available_bytes=mid) == 0 else (mid, high)
+    assert triple.auto_group_size(n, batch, available_bytes=high) == n
+    assert triple.auto_group_size(n, batch, available_bytes=3 * high) == 0
+    assert 1 <= triple.auto_group_size(n, batch, available_bytes=0) < n
+    model = TTTConfig(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=24, checkpoint_group_size="auto").build_model()
+    assert [layer.auto_num_layers for layer in model.ttt_layers()] == [3, 3, 3]
+    with pytest.raises(ValueError, match="auto_num_layers"):
+        TTTLinear(16, 2, auto_num_layers=0)
+
+
+def test_free_memory_comes_from_the_memory_probe():
+    """``"auto"`` reads the CPU's free memory from ``lit_memopt.memory``; a device with no probe
+    (``meta``) gives the conservative choice, as if no memory were free."""
+    from lit_memopt.memory import memory_snapshot
+    from lit_memopt.models.ttt.planning import free_bytes
+
+    assert free_bytes(torch.device("cpu")) > 0
+    assert abs(free_bytes(torch.device("cpu")) - memory_snapshot("cpu").free_bytes) < 2**30
+    assert free_bytes(torch.device("meta")) is None
+    kw = dict(num_mini_batches=128, mini_batch_bytes=1000, state_bytes=4000)
+    assert auto_checkpoint_group_size(**kw, device="meta") == auto_checkpoint_group_size(**kw, available_bytes=0)
+
+
+def test_paper_inner_learning_rate_is_the_default_everywhere():
+    from lit_memopt.models.ttt import resolve_inner_base_lr
+
+    assert (TTTLinear.paper_base_lr, TTTMLP.paper_base_lr) == (1.0, 0.1)
+    for kind, cls in (("linear", TTTLinear), ("mlp", TTTMLP)):
+        assert resolve_inner_base_lr(kind) == cls.paper_base_lr
+        assert resolve_inner_base_lr(kind, 0.5) == 0.5
+        model = TTTConfig(hidden_size=16, num_layers=1, num_heads=2, layer_type=kind).build_model()
+        assert model.ttt_layers()[0].base_lr == cls.paper_base_lr
+    with pytest.raises(ValueError, match="layer_type"):
+        resolve_inner_base_lr("conv")
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_compute_is_the_layer_without_its_checkpoint(kind):
+    """``compute(x, group, norm)`` (what a block recomputes inside its own checkpoint) gives the
+    layer's output and, when recorded, its gradients exactly."""
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(14))
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    layer = _make(kind, checkpoint_group_size=2)
+    group = layer.resolve_group_size(x)
+    assert group == 2 and layer.last_group_size == 2
+    assert torch.equal(layer.compute(x, group, norm), layer(x, norm))
+    want = _grads(layer, x, lambda t: layer(t, norm))
+    got = _grads(layer, x, lambda t: layer.compute(t, group, norm))
+    assert all(torch.equal(got[name], want[name]) for name in want)

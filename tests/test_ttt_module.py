@@ -12,6 +12,8 @@ from lit_memopt.models.ttt import (
     GatedTTT,
     TTTConfig,
     TTTIntegrationConfig,
+    TTTLinear,
+    TTTMLP,
     add_ttt_layers,
     ttt_branches,
 )
@@ -68,6 +70,16 @@ def test_gated_branch_is_identity_at_zero():
     branch = GatedTTT(TTTLinear(16, 2, mini_batch_size=4), gate_init=0.0)
     x = torch.randn(2, 9, 16)
     assert torch.equal(branch(x), x)
+
+
+def test_branches_plan_auto_checkpointing_together_and_take_the_paper_learning_rate():
+    """Each inserted layer is built knowing how many branches share the memory budget of
+    ``checkpoint_group_size="auto"``, and with the paper's ``eta_base`` for its type."""
+    for layer_type, base_lr in (("linear", TTTLinear.paper_base_lr), ("mlp", TTTMLP.paper_base_lr)):
+        model = _host_config().build_model()
+        config = {"layers": [0, -1], "layer_type": layer_type, "mini_batch_size": 4, "checkpoint_group_size": "auto"}
+        branches = add_ttt_layers(model, config)
+        assert [(b.ttt.auto_num_layers, b.ttt.base_lr) for b in branches] == [(2, base_lr), (2, base_lr)]
 
 
 def test_add_ttt_layers_rejects_bad_layer_index():
