@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # `python benchmarks/ttt.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lit_memopt.memory.fake import fake_mode, peak_during  # noqa: E402
-from lit_memopt.models.ttt import TTTConfig, auto_checkpoint_group_size  # noqa: E402
+from lit_memopt.models.ttt import TTTConfig  # noqa: E402
 from lit_memopt.ops import linear_logprobs  # noqa: E402
 
 from benchmarks._results import write_results  # noqa: E402
@@ -89,12 +89,10 @@ def memory_saving_group(config: TTTConfig, batch: int, seq_len: int) -> int:
     """The group size :func:`auto_checkpoint_group_size` picks when memory is short (its memory minimum)."""
     from lit_memopt.models.ttt import ttt_layer_class
 
-    probe = ttt_layer_class(config.layer_type)(config.hidden_size, config.num_heads, mini_batch_size=config.mini_batch_size)
-    per_mb = 4 * batch * probe.num_heads * probe._saved_floats_per_mini_batch(config.mini_batch_size)
-    state = 4 * batch * sum(p.numel() for p in probe.inner_parameters())
-    return auto_checkpoint_group_size(
-        seq_len // config.mini_batch_size, per_mb, state, num_layers=config.num_layers, available_bytes=0
+    probe = ttt_layer_class(config.layer_type)(
+        config.hidden_size, config.num_heads, mini_batch_size=config.mini_batch_size, auto_num_layers=config.num_layers
     )
+    return probe.auto_group_size(seq_len // config.mini_batch_size, batch, available_bytes=0)
 
 
 def mode_groups(config: TTTConfig, batch: int, seq_len: int) -> dict[str, int]:
