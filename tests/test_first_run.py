@@ -22,3 +22,25 @@ def test_three_step_sft_run_prints_no_pack_warning_and_a_sane_progress_bar(tmp_p
     assert pack_warnings == [], pack_warnings
     assert "overridden after learning rate scheduler" not in output
     assert "steps: 3" in output
+
+
+def test_threads_auto_uses_one_thread_for_small_models_on_cpu() -> None:
+    import torch
+
+    from lit_memopt.cli import SMALL_MODEL_PARAMETERS, UsageError, compose_config, set_cpu_threads
+
+    before = torch.get_num_threads()
+    small, large = torch.nn.Linear(4, 4), torch.nn.Module()
+    large.register_parameter("w", torch.nn.Parameter(torch.empty(SMALL_MODEL_PARAMETERS, device="meta")))
+    try:
+        torch.set_num_threads(2)
+        cpu = compose_config(["recipe=sft", "trainer.accelerator=cpu"])
+        assert set_cpu_threads(cpu, small) == 1 and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert set_cpu_threads(cpu, large) is None and torch.get_num_threads() == 2
+        assert set_cpu_threads(compose_config(["recipe=sft", "trainer.accelerator=cpu", "threads=2"]), small) == 2
+        assert set_cpu_threads(compose_config(["recipe=sft", "trainer.accelerator=cpu", "threads=null"]), small) is None
+        with pytest.raises(UsageError, match="threads must be auto, null or an int >= 1"):
+            set_cpu_threads(compose_config(["recipe=sft", "trainer.accelerator=cpu", "threads=0"]), small)
+    finally:
+        torch.set_num_threads(before)
