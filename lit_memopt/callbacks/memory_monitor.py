@@ -24,6 +24,7 @@ from lit_memopt.memory.stats import (
     peak_memory_bytes,
     reset_peak_memory,
 )
+from lit_memopt.memory.units import format_bytes
 
 __all__ = ["MemoryMonitor", "MemoryMetrics", "OOMEvent", "BatchSizeChange", "PRESSURE_LEVELS"]
 
@@ -445,12 +446,12 @@ class MemoryMonitor(Callback):
         summary: dict[str, Any] = {"device": self.metrics.device, "world_size": world, "measure": what}
         for column, phase in enumerate(PHASES + ("step",)):
             value, rank = worst(column)
-            table.add_row(f"peak {phase}", _fmt_bytes(value), str(rank))
+            table.add_row(f"peak {phase}", format_bytes(value), str(rank))
             summary[f"peak_{phase}_bytes"] = value
             summary[f"peak_{phase}_rank"] = rank
         for column, name in ((4, "average step peak"), (5, "average allocated"), (6, "average reserved")):
             value, rank = worst(column)
-            table.add_row(name, _fmt_bytes(value), str(rank))
+            table.add_row(name, format_bytes(value), str(rank))
             summary[name.replace(" ", "_") + "_bytes"] = value
         efficiency = float(per_rank[:, 7].min())
         oom_events = int(per_rank[:, 8].sum())
@@ -510,12 +511,6 @@ def _batch_size(batch: Any) -> int:
         return infer_batch_size(batch)
     except ValueError:
         return 1
-
-
-def _fmt_bytes(value: float) -> str:
-    if value >= 1024**3:
-        return f"{value / 1024**3:.2f} GiB"
-    return f"{value / MIB:.1f} MiB"
 
 
 def _plot_history(history: torch.Tensor, path: str, *, title: str, ylabel: str) -> None:

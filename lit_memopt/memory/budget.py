@@ -14,18 +14,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from lit_memopt.memory.units import format_bytes
+
 __all__ = ["MemoryBudget", "memory_budget", "storage_bytes"]
 
 # The CUDA caching allocator rounds every block up to 512 bytes; mirroring it keeps budgets
 # measured on CPU meaningful for CUDA and vice versa.
 _CUDA_BLOCK_BYTES = 512
-
-
-def _format_bytes(n: int | float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} bytes"
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -181,10 +176,10 @@ class MemoryBudget(TorchDispatchMode):
         self._peak = self.current_bytes
 
     def __repr__(self) -> str:
-        budget = "None" if self.budget_bytes is None else _format_bytes(self.budget_bytes)
+        budget = "None" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         return (
-            f"MemoryBudget(budget={budget}, current={_format_bytes(self.current_bytes)}, "
-            f"peak={_format_bytes(self.peak_bytes)}, ooms={self.num_ooms})"
+            f"MemoryBudget(budget={budget}, current={format_bytes(self.current_bytes)}, "
+            f"peak={format_bytes(self.peak_bytes)}, ooms={self.num_ooms})"
         )
 
     # ------------------------------------------------------------------ tracking
@@ -270,11 +265,11 @@ class MemoryBudget(TorchDispatchMode):
             "peak_bytes": self._peak,
         }
         raise torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {_format_bytes(requested)}. "
-            f"Budget of {_format_bytes(budget)} on {device} "
-            f"({_format_bytes(current)} already allocated: {_format_bytes(self._tracked)} tracked + "
-            f"{_format_bytes(self.baseline_bytes)} baseline; {_format_bytes(max(budget - current, 0))} free; "
-            f"peak {_format_bytes(self._peak)}) while running {func}. "
+            f"CUDA out of memory. Tried to allocate {format_bytes(requested)}. "
+            f"Budget of {format_bytes(budget)} on {device} "
+            f"({format_bytes(current)} already allocated: {format_bytes(self._tracked)} tracked + "
+            f"{format_bytes(self.baseline_bytes)} baseline; {format_bytes(max(budget - current, 0))} free; "
+            f"peak {format_bytes(self._peak)}) while running {func}. "
             f"[simulated by lit_memopt.memory.memory_budget; no real device ran out of memory]"
         )
 
