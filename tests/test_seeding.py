@@ -92,3 +92,56 @@ def test_grade_step_split_by_an_oom_equals_the_unsplit_step(reward_model, hard: 
     assert unsplit.keys() == split.keys() and unsplit
     for name in unsplit:
         torch.testing.assert_close(split[name], unsplit[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------- Intuitor
+class _IntuitorOOMWhenLarge:
+    """Mixin: the training step runs out of memory on more than 2 prompts (the rollout came before it)."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> Any:
+        if batch["input_ids"].shape[0] > 2:
+            with memory_budget(0):
+                torch.empty(1024)
+        return super().training_step(batch, batch_idx)
+
+
+def _intuitor_step(split: bool) -> tuple[dict[str, torch.Tensor], OOMRecovery]:
+    from test_intuitor import _batch, _config
+
+    from lit_memopt.data.reasoning_prompts import answer_is_correct
+    from lit_memopt.modules import IntuitorModule
+
+    torch.manual_seed(0)
+    config = _config()
+    cls = type("Split", (_IntuitorOOMWhenLarge, IntuitorModule), {}) if split else IntuitorModule
+    module = cls(config, config.build_tokenizer(), num_samples=3, max_new_tokens=6, kl_coef=0.05, checker=answer_is_correct)
+    batch = _batch(module.tokenizer, ["1+2=", "30+4=", "5+6=", "7+80="], ["3", "34", "11", "87"])
+    data = [{"input_ids": batch["input_ids"][i], "attention_mask": batch["attention_mask"][i], "answers": a}
+            for i, a in enumerate(batch["answers"])]
+
+    def collate(items: list[dict]) -> dict:
+        return {"input_ids": torch.stack([x["input_ids"] for x in items]),
+                "attention_mask": torch.stack([x["attention_mask"] for x in items]),
+                "answers": [x["answers"] for x in items]}
+
+    grads, recovery = _IntuitorGrads(), OOMRecovery(grow_after_steps=None)
+    Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[recovery, grads]).fit(module, DataLoader(data, batch_size=4, collate_fn=collate))
+    return grads.grads, recovery
+
+
+class _IntuitorGrads(Callback):
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.grads = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+
+
+def test_intuitor_step_split_by_an_oom_equals_the_unsplit_step() -> None:
+    unsplit, _ = _intuitor_step(split=False)
+    split, recovery = _intuitor_step(split=True)
+    assert recovery.oom_events == 1 and recovery.micro_batch_size == 2  # the step really was split
+    assert unsplit.keys() == split.keys() and unsplit
+    for name in unsplit:
+        torch.testing.assert_close(split[name], unsplit[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -51,10 +51,10 @@ class IntuitorModule(pl.LightningModule):
     One optimisation step per rollout batch (``mu = 1`` in GRPO terms): the "old" log-probs are the
     detached current ones, so the importance ratio is 1 at the update and the clip guards only
     against numerical drift; the same holds when a callback splits the prompt batch into
-    micro-batches, because groups are formed per prompt inside ``training_step``. The loss is a
-    token mean over the step's responses; ``OOMRecovery`` weights micro-batch losses by their share
-    of prompts, which equals the whole-batch loss when micro-batches hold equally many response
-    tokens and is the usual per-micro-batch token mean of GRPO implementations otherwise.
+    micro-batches, because groups are formed per prompt. The responses of the whole loader batch are
+    sampled once in ``on_train_batch_start``, and the loss is a token mean over the whole step's
+    responses: a step that ``OOMRecovery`` splits on an OOM (weighting micro-batches by their share of
+    prompts) trains on the same responses with the same loss as the unsplit step.
 
     Args:
         model_config: what to build (``lit_memopt.models.ModelConfig``).
@@ -190,12 +190,33 @@ class IntuitorModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ steps
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Sample the whole loader batch's responses before any micro-batching.
+
+        A step that ``OOMRecovery`` splits (on an OOM) then trains on exactly the responses of the
+        unsplit step, and every micro-batch knows the step's total response tokens (its loss share).
+        """
+        self._batch_rollout = None
+        if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+            rollout = self._rollout(batch, int(self.hparams.num_samples), self._rollout_seed(batch_idx))
+            self._batch_rollout = _BatchRollout(batch_idx, batch["input_ids"], rollout)
+
+    def _rollout_for(self, batch: dict[str, Any], batch_idx: int) -> tuple[Rollout, float]:
+        """This (micro-)batch's rows of the step's rollout and its loss scale (1.0 for the whole batch)."""
+        cached = getattr(self, "_batch_rollout", None)
+        if cached is not None and cached.batch_idx == batch_idx:
+            found = cached.select(batch["input_ids"])
+            if found is not None:
+                return found
+        # No whole-batch rollout (training_step called directly): sample this batch on its own.
+        return self._rollout(batch, int(self.hparams.num_samples), self._rollout_seed(batch_idx)), 1.0
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         from lit_memopt.ops import linear_logprobs, linear_self_certainty, ppo_clip_loss
 
         hp = self.hparams
         group = int(hp.num_samples)
-        rollout = self._rollout(batch, group, self._rollout_seed(batch_idx))
+        rollout, loss_scale = self._rollout_for(batch, batch_idx)
         args = (rollout.input_ids, rollout.attention_mask, rollout.response_mask)
 
         ref_logp = None
@@ -230,7 +251,7 @@ class IntuitorModule(pl.LightningModule):
             mask=positions,
             ref_logp=ref_logp,
             kl_coef=hp.kl_coef,
-        )
+        ) * loss_scale  # a token mean over the whole step's responses, whatever the split (see _BatchRollout)
 
         num_prompts = batch["input_ids"].shape[0]
         with torch.no_grad():
@@ -290,3 +311,43 @@ class IntuitorModule(pl.LightningModule):
 def _check(ok: bool, name: str, value: Any, accepted: str) -> None:
     if not ok:
         raise ValueError(f"module.{name} must be {accepted}, got {value!r}.")
+
+
+class _BatchRollout:
+    """The responses of one loader batch, sampled once, and how a micro-batch of it is weighted.
+
+    ``OOMRecovery`` weights a micro-batch of ``b`` of the batch's ``B`` prompts by ``b / B``. Scaling its
+    token-mean loss by ``(B / b) * (its response tokens / the step's response tokens)`` makes the sum
+    over micro-batches the token mean over the whole step, as without the split.
+    """
+
+    def __init__(self, batch_idx: int, prompt_ids: torch.Tensor, rollout: Rollout) -> None:
+        self.batch_idx = batch_idx
+        self.prompt_ids = prompt_ids
+        self.rollout = rollout
+        counted = rollout.response_mask.clone()
+        counted[:, 0] = False  # the loss positions (response_hidden_states drops column 0)
+        self.tokens_per_row = counted.sum(dim=-1)
+        self.total_tokens = max(1, int(self.tokens_per_row.sum()))
+        self._cursor = 0
+
+    def select(self, prompt_ids: torch.Tensor) -> tuple[Rollout, float] | None:
+        """The rows of a contiguous slice of the batch's prompts (as OOMRecovery cuts it), or ``None``."""
+        full, size = self.prompt_ids, prompt_ids.shape[0]
+        if prompt_ids.shape[1:] != full.shape[1:] or prompt_ids.device != full.device:
+            return None
+        # Micro-batches come in order (and restart from 0 after an OOM): look from where the last one ended.
+        starts = list(range(self._cursor, full.shape[0] - size + 1)) + list(range(0, self._cursor))
+        start = next((i for i in starts if torch.equal(full[i : i + size], prompt_ids)), None)
+        if start is None:
+            return None
+        self._cursor = (start + size) % full.shape[0]
+        group = self.rollout.num_samples
+        rows = slice(start * group, (start + size) * group)
+        part = Rollout(
+            input_ids=self.rollout.input_ids[rows], attention_mask=self.rollout.attention_mask[rows],
+            response_mask=self.rollout.response_mask[rows], prompt_length=self.rollout.prompt_length, num_samples=group,
+        )
+        share_of_prompts = size / full.shape[0]
+        share_of_tokens = int(self.tokens_per_row[rows].sum()) / self.total_tokens
+        return part, share_of_tokens / share_of_prompts
