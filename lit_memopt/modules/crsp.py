@@ -136,7 +136,7 @@ class CRSPModule(pl.LightningModule):
     """
 
     summary_keys = ("train/reward_propose", "train/reward_solve", "train/reward_critique", "train/solve_rate",
-                    "train/proposal_valid_rate", "train/sandbox_cache_hit_rate")
+                    "train/proposal_valid_rate", "train/sandbox_cache_hit_rate", "val/solve_rate")
 
     def __init__(
         self,

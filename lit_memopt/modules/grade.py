@@ -138,7 +138,7 @@ class GradeModule(pl.LightningModule):
         out.loss.backward()
     """
 
-    summary_keys = ("train/reward", "train/kl")
+    summary_keys = ("train/reward", "train/kl", "val/reward", "val/kl")
 
     def __init__(
         self,

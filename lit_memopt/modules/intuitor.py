@@ -91,7 +91,7 @@ class IntuitorModule(pl.LightningModule):
         module = IntuitorModule(cfg, cfg.build_tokenizer(), num_samples=4, max_new_tokens=8)
     """
 
-    summary_keys = ("train/self_certainty", "train/kl")
+    summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/self_certainty")
 
     def __init__(
         self,

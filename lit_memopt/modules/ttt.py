@@ -66,7 +66,7 @@ class TTTModule(pl.LightningModule):
         module = TTTModule(config, config.build_tokenizer(), lr=3e-3)
     """
 
-    summary_keys = ("train/loss", "train/recall_acc")
+    summary_keys = ("train/loss", "train/recall_acc", "val/loss", "val/recall_acc")
 
     def __init__(
         self,
