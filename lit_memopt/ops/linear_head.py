@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lit_memopt.ops.sharded import gather_if_sharded
+
 __all__ = [
     "linear_logprobs",
     "linear_entropy",
@@ -554,6 +556,10 @@ def _run(
     ref_weight: Optional[Tensor] = None,
     ref_bias: Optional[Tensor] = None,
 ) -> tuple[Tensor, ...]:
+    # FSDP2-sharded (DTensor) head weights are gathered here, in their own dtype (ops/sharded.py).
+    gathered_weight = gather_if_sharded(weight)
+    ref_weight = gathered_weight if ref_weight is weight else gather_if_sharded(ref_weight)  # tied: one gather
+    weight, bias, ref_bias = gathered_weight, gather_if_sharded(bias), gather_if_sharded(ref_bias)
     _check_weight_pair("hidden", hidden, "weight", weight)
     vocab, size = weight.shape
     _check_bias("bias", bias, vocab)
