@@ -84,21 +84,28 @@ if cfg["keyring"] == "1":
         fail("keyring", "keyctl(KEYCTL_JOIN_SESSION_KEYRING) refused")
     report.append("keyring=%d" % serial)
 if cfg["launcher"] == "direct" and cfg["seccomp_fd"] != "-":
-    # No bwrap to load it: the filter libseccomp compiled in the trainer arrives on an fd.
-    fd = int(cfg["seccomp_fd"])
-    chunks = []
-    while True:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(fd)
-    bpf = b"".join(chunks)
-    class Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-    prog = Prog(len(bpf) // 8, bpf)
-    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
-        fail("seccomp", errno())
+    # No bwrap to load it: the filter libseccomp compiled in the trainer arrives on an fd (or with the fork server).
+    bpf = globals().get("ZYGOTE_BPF")
+    if cfg["seccomp_fd"] != "zygote":
+        fd = int(cfg["seccomp_fd"])
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(fd)
+        bpf = b"".join(chunks)
+    if not bpf:
+        fail("seccomp", "no filter")
+    else:
+        class Prog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+        prog = Prog(len(bpf) // 8, bpf)
+        if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
+            fail("seccomp", errno())
+if cfg["launcher"] == "direct" and libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries gain nothing
+    fail("no_new_privs", errno())
 worker = os.fork()
 if worker == 0:
     if status_fd >= 0:
@@ -112,6 +119,11 @@ if worker == 0:
             resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, hard))
         except (OSError, ValueError) as err:
             fail("rlimit_" + name, err)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # the run's memory cgroup kills the program first, never the bootstrap
+    except OSError:
+        pass
     uid = int(cfg["uid"])
     if uid >= 0:
         try:

@@ -61,12 +61,20 @@ class SlotGroup:
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def settle(self, timeout_s: float = 0.05) -> None:
-        """Wait (briefly) until the last run's exited tasks are uncharged, so they do not eat ``pids.max``."""
+        """Wait (briefly) until the last run's exited tasks are uncharged, so they do not eat ``pids.max``.
+
+        The kernel releases a dead PID namespace's tasks a moment after their parent has reaped them;
+        what still counts then is ``pids.current`` beyond the live tasks (the fork server's).
+        """
         d = self.dirs.get("pids", self.dirs.get(""))
         if d is None:
             return
         deadline = time.monotonic() + timeout_s
-        while _read_int(os.path.join(d, "pids.current")) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with open(os.path.join(d, "cgroup.procs")) as f:
+                live = len(f.read().split())
+            if _read_int(os.path.join(d, "pids.current")) <= live:
+                return
             time.sleep(0.0005)
 
     def counters(self) -> tuple[float, int]:

@@ -14,9 +14,10 @@ from typing import Any, Iterable, Sequence
 
 from lit_memopt.rewards.sandbox._bootstrap import EXIT_MEMORY, EXIT_SETUP_FAILED
 from lit_memopt.rewards.sandbox.cgroups import SlotGroup, create_slot_groups
-from lit_memopt.rewards.sandbox.policy import seccomp_bpf
+from lit_memopt.rewards.sandbox.policy import WORKDIR, bwrap_argv, seccomp_bpf
 from lit_memopt.rewards.sandbox.probe import FEATURES, find_bwrap, interpreter_candidates, judge, probe_cache, summary_line
-from lit_memopt.rewards.sandbox.runner import RunSpec, execute
+from lit_memopt.rewards.sandbox.runner import RunSpec, execute, join_cgroup_argv, scrubbed_env
+from lit_memopt.rewards.sandbox.zygote import Zygote
 
 #: Every verdict a run can get, in a fixed order (used for logging counts).
 VERDICTS: tuple[str, ...] = ("ok", "wrong", "error", "timeout", "memory")
@@ -116,6 +117,11 @@ def _rlimits(limits: SandboxLimits) -> dict[str, int]:
             "NOFILE": limits.max_open_files, "CORE": 0}
 
 
+def _make_zygote(bwrap: str, python: str, group: SlotGroup | None, uid_drop: bool, seccomp: bool) -> Zygote:
+    prefix = (join_cgroup_argv(group) if group is not None else []) + bwrap_argv(bwrap, python, uid_drop=uid_drop)
+    return Zygote(prefix, python, scrubbed_env(WORKDIR), seccomp_bpf()[0] if seccomp else None)
+
+
 def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
     bwrap = find_bwrap() if want["bwrap"] else None
     launcher = "bwrap" if bwrap else "direct"
@@ -141,8 +147,9 @@ def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
             if not cg_on.get(name.split("_")[1]):
                 notes[name] = cg_why
     group = groups[0] if groups else None
-    spec = RunSpec(launcher, python, bwrap, features, uid, {"CPU": 10, "AS": 1 << 30, "FSIZE": 1 << 20, "NOFILE": 64,
-                                                            "CORE": 0}, 8, 1 << 20, 30.0, 30.0, group, probe=True)
+    zygote = _make_zygote(bwrap, python, group, uid is not None, features["seccomp"]) if bwrap else None
+    spec = RunSpec(launcher, python, features, uid, {"CPU": 10, "AS": 1 << 30, "FSIZE": 1 << 20, "NOFILE": 64, "CORE": 0},
+                   8, 1 << 20, 30.0, 30.0, group, zygote, probe=True)
     report: dict[str, str] = {}
     try:
         result = execute(spec, "", b"", 1 << 16)
@@ -154,6 +161,8 @@ def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
         notes["launcher"] = f"{type(exc).__name__}: {exc}"
         used = False
     finally:
+        if zygote is not None:
+            zygote.stop()
         for g in groups:
             g.remove()
     report["python"] = python
@@ -313,14 +322,19 @@ class Sandbox:
         self._cache_lock = threading.Lock()
         self._stats = _CacheStats()
         self._groups: list[SlotGroup] = []
+        self._zygotes: list[Zygote] = []
         iso = self.isolation
         if iso["cgroup_memory"] or iso["cgroup_pids"] or iso["cgroup_cpu"]:
-            # Headroom for bubblewrap, its init and the bootstrap, which live in the group too.
+            # Headroom for bubblewrap, the fork server, and the run's bootstrap and init, which live in the group too.
             self._groups, on, why = create_slot_groups(
                 f"lit_memopt_sandbox_{os.getpid()}_{id(self) & 0xFFFFFF:x}", self.max_workers,
-                memory_bytes=(self.limits.memory_mb << 20) + (48 << 20), max_processes=self.limits.max_processes + 3)
+                memory_bytes=(self.limits.memory_mb << 20) + (48 << 20), max_processes=self.limits.max_processes + 4)
             if not self._groups:
                 raise RuntimeError(f"Sandbox: the slot cgroups probed at start can no longer be created ({why}).")
+        if iso["launcher"] == "bwrap":
+            uid_drop = bool(iso["uid"] and iso["nproc"])
+            self._zygotes = [_make_zygote(iso["bwrap_path"], iso["python"], self._groups[slot] if self._groups else None,
+                                          uid_drop, bool(iso["seccomp"])) for slot in range(self.max_workers)]
 
     # ------------------------------------------------------------------ public
     def run(self, program: str, stdin: str = "", expected: str | None = None) -> Verdict:
@@ -392,11 +406,16 @@ class Sandbox:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for zygote in self._zygotes:
+            zygote.stop()
+        self._zygotes = []
         for group in self._groups:
             group.remove()
         self._groups = []
 
     def __del__(self) -> None:
+        for zygote in getattr(self, "_zygotes", []):
+            zygote.stop()
         for group in getattr(self, "_groups", []):
             group.remove()
 
@@ -521,9 +540,9 @@ class Sandbox:
         iso, lim = self.isolation, self.limits
         uid = _child_uid(slot) if iso["uid"] and iso["nproc"] else None
         features = {k: bool(iso[k]) for k in ("net", "mount", "pid", "ipc", "uts", "keyring", "seccomp", "cgroup_cpu")}
-        spec = RunSpec(iso["launcher"], iso["python"], iso.get("bwrap_path"), features, uid, _rlimits(lim),
-                       lim.max_processes, (lim.file_size_mb << 20) * 4, lim.wall_time_s, lim.cpu_time_s,
-                       self._groups[slot] if self._groups else None)
+        spec = RunSpec(iso["launcher"], iso["python"], features, uid, _rlimits(lim), lim.max_processes,
+                       (lim.file_size_mb << 20) * 4, lim.wall_time_s, lim.cpu_time_s,
+                       self._groups[slot] if self._groups else None, self._zygotes[slot] if self._zygotes else None)
         result = execute(spec, program, stdin.encode("utf-8"), lim.max_output_chars * 4 + 4)
         return self._classify(result)
 

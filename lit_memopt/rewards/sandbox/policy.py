@@ -141,35 +141,27 @@ def _shared_libraries(files: list[str]) -> list[str]:
     return found
 
 
-def bwrap_argv(bwrap: str, python: str, *, net: bool, pid: bool, uid_drop: bool, tmpfs_bytes: int,
-               seccomp_fd: int | None) -> list[str]:
-    """The bubblewrap command line in front of ``python``: namespaces and the minimal filesystem."""
+def bwrap_argv(bwrap: str, python: str, *, uid_drop: bool) -> list[str]:
+    """The bubblewrap command line in front of a slot's fork server: the minimal filesystem.
+
+    Read-only everywhere; ``/program``, ``/tmp`` and ``/proc`` are empty directories that each run
+    covers with its own tmpfs / procfs in its own mount namespace. The fork server keeps only the
+    capabilities it needs to create a run's namespaces and drop to the private uid.
+    """
     binds, hidden = interpreter_files(python)
-    argv = [bwrap, "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-            "--hostname", "sandbox"]
-    if net:
-        argv.append("--unshare-net")
-    if pid:
-        # The bootstrap is PID 1 itself: it reaps orphans, and bwrap reaps it (bwrap's own init would
-        # be left a zombie for the host's init when bwrap exits on its exit-code notification).
-        argv += ["--unshare-pid", "--as-pid-1"]
-    # Root without a user namespace: keep only what the bootstrap needs to drop to the private uid.
-    argv += ["--cap-drop", "ALL"] + (["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if uid_drop else [])
+    argv = [bwrap, "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--die-with-parent",
+            "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN"]
+    if uid_drop:
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     argv += ["--tmpfs", "/"]
     # bubblewrap creates missing parents 0700: made 0755 first, or the private uid could not reach the files.
-    parents = sorted({dst[:i] for _, dst in binds for i in range(1, len(dst)) if dst[i] == "/"}
-                     - {"", "/"}, key=lambda d: (d.count("/"), d))
-    for d in parents:
+    parents = sorted({dst[:i] for _, dst in binds for i in range(1, len(dst)) if dst[i] == "/"} - {"", "/"},
+                     key=lambda d: (d.count("/"), d))
+    for d in parents + [WORKDIR, "/tmp", "/proc"]:
         argv += ["--perms", "0755", "--dir", d]
     for src, dst in binds:
         argv += ["--ro-bind", src, dst]
     for path in hidden:
         argv += ["--tmpfs", path, "--remount-ro", path]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(tmpfs_bytes), "--tmpfs", WORKDIR,
-             "--perms", "1777", "--size", str(1 << 20), "--tmpfs", "/tmp",
-             "--perms", "1777", "--size", str(1 << 20), "--tmpfs", "/dev/shm",
-             "--remount-ro", "/", "--chdir", WORKDIR]
-    if seccomp_fd is not None:
-        argv += ["--seccomp", str(seccomp_fd)]
+    argv += ["--dev", "/dev", "--remount-ro", "/", "--chdir", WORKDIR]
     return argv

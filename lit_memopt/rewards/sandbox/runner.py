@@ -1,9 +1,11 @@
 """Launch one sandboxed run and wait for it: the mechanics under :class:`~lit_memopt.rewards.sandbox.Sandbox`.
 
-Two launchers: ``bwrap`` (bubblewrap does the namespaces, the minimal filesystem, no_new_privs and
-loads the seccomp filter) and ``direct`` (the bootstrap unshares itself, as before bubblewrap; the
-host tree stays visible read-only to the private uid). The trainer enforces the wall clock and the
-run's summed CPU time; it waits on a pidfd (no polling) and kills the whole run with one signal.
+Two launchers: ``bwrap`` (the slot's fork server inside bubblewrap forks the run, see :mod:`.zygote`)
+and ``direct`` (a new interpreter per run whose bootstrap unshares itself; the host tree stays
+visible read-only to the private uid). Either way the bootstrap sets up the namespaces, keyring,
+no_new_privs and seccomp filter of the run. The trainer enforces the wall clock and the run's summed
+CPU time; it blocks on a pidfd or the fork server's socket (no polling) and kills the whole run with
+one signal.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import os
 import select
 import signal
 import subprocess
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from lit_memopt.rewards.sandbox._bootstrap import BOOTSTRAP
 from lit_memopt.rewards.sandbox.cgroups import SlotGroup
-from lit_memopt.rewards.sandbox.policy import WORKDIR, bwrap_argv, seccomp_bpf
+from lit_memopt.rewards.sandbox.policy import seccomp_bpf
+from lit_memopt.rewards.sandbox.zygote import Zygote
 
 
 def scrubbed_env(home: str) -> dict[str, str]:
@@ -34,7 +39,6 @@ class RunSpec:
 
     launcher: str                 # "bwrap" or "direct"
     python: str
-    bwrap: str | None
     features: dict[str, bool]     # what to set up (net, mount, pid, ipc, uts, keyring, seccomp, ...)
     uid: int | None               # private uid, or None to keep the trainer's
     rlimits: dict[str, int]       # CPU (s), AS, FSIZE (bytes), NOFILE, CORE
@@ -43,6 +47,7 @@ class RunSpec:
     wall_time_s: float
     cpu_time_s: float
     group: SlotGroup | None = None
+    zygote: Zygote | None = None  # the slot's fork server (bubblewrap launcher); None: a new process per run
     probe: bool = False
 
 
@@ -61,10 +66,10 @@ class RunResult:
 _JOIN_CGROUP = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
 
 
-def _config_words(spec: RunSpec, status_fd: int, seccomp_fd: int | None) -> str:
+def _config_words(spec: RunSpec, status_fd: int, seccomp_fd: int | str | None) -> str:
     f = spec.features
     words = {
-        "probe": int(spec.probe), "launcher": spec.launcher, "status": status_fd,
+        "probe": int(spec.probe), "launcher": "direct", "status": status_fd,
         "seccomp_fd": "-" if seccomp_fd is None else seccomp_fd,
         "keyring": int(f.get("keyring", False)), "uid": -1 if spec.uid is None else spec.uid, "nproc": spec.nproc,
         "tmpfs_bytes": spec.tmpfs_bytes,
@@ -104,63 +109,54 @@ def _drain(fd: int) -> bytes:
 def execute(spec: RunSpec, program: str, stdin: bytes, output_limit: int) -> RunResult:
     """Run ``program`` once under ``spec``; never leaves a process or a descriptor behind."""
     to_close: list[int] = []
-    in_child: list[int] = []
     tmpdir = None
-
-    def pipe() -> tuple[int, int]:
-        r, w = os.pipe()
-        to_close.extend((r, w))
-        return r, w
-
     proc = None
-    pidfd = -1
     try:
-        status_r, status_w = pipe()
-        in_child.append(status_w)
-        seccomp_r = None
-        bpf = seccomp_bpf()[0] if spec.features.get("seccomp") else None
-        if spec.features.get("seccomp") and bpf is None:
-            raise RuntimeError("seccomp filter unavailable")
-        if bpf is not None:
-            seccomp_r, seccomp_w = pipe()
-            in_child.append(seccomp_r)
-            os.write(seccomp_w, bpf)  # a few KiB: fits the pipe buffer, read by the child at start
-            os.close(seccomp_w)
-            to_close.remove(seccomp_w)
+        status_r, status_w = os.pipe()
+        to_close += [status_r, status_w]
         f_in, f_out, f_err = _memfd("stdin", stdin), _memfd("stdout"), _memfd("stderr")
         to_close += [f_in, f_out, f_err]
-        tail = [spec.python, "-I", "-S", "-B", "-c", BOOTSTRAP]
-        if spec.launcher == "bwrap":
-            argv = bwrap_argv(spec.bwrap or "bwrap", spec.python, net=spec.features.get("net", False),
-                              pid=spec.features.get("pid", False), uid_drop=spec.uid is not None,
-                              tmpfs_bytes=spec.tmpfs_bytes, seccomp_fd=seccomp_r)
-            argv += tail + [_config_words(spec, status_w, None), program]
-            cwd, home = "/", WORKDIR
+        cpu0, oom0 = spec.group.counters() if spec.group is not None else (0.0, 0)
+        if spec.group is not None:
+            spec.group.settle()
+        start = time.monotonic()
+        if spec.zygote is not None:
+            first_pid = spec.zygote.submit(_config_words(spec, -1, "zygote" if spec.features.get("seccomp") else None),
+                                           program, [f_in, f_out, f_err, status_w])
+            kill = lambda: _kill_pid(first_pid)  # noqa: E731 - the fork server's child: its init and namespace die with it
+            outcome = _wait(spec, spec.zygote.ready, kill, start, cpu0)
+            wall = time.monotonic() - start
+            returncode = spec.zygote.wait_done()
         else:
+            seccomp_r = None
+            pass_fds = [status_w]
+            if spec.features.get("seccomp"):
+                bpf = seccomp_bpf()[0]
+                if bpf is None:
+                    raise RuntimeError("seccomp filter unavailable")
+                seccomp_r, seccomp_w = os.pipe()
+                to_close.append(seccomp_r)
+                os.write(seccomp_w, bpf)  # a few KiB: fits the pipe buffer, read by the child at start
+                os.close(seccomp_w)
+                pass_fds.append(seccomp_r)
             tmpdir = tempfile.mkdtemp(prefix="lit_memopt_sandbox_")
             os.chmod(tmpdir, 0o1777 if spec.uid is not None else 0o700)
-            argv = tail + [_config_words(spec, status_w, seccomp_r), program]
-            cwd = home = tmpdir
-        if spec.group is not None:
-            # The launcher joins the slot's cgroup itself before its first fork: every process of the
-            # run is born inside (moving a process later would leave the ones it already forked out).
-            spec.group.settle()
-            argv = ["/bin/sh", "-c", _JOIN_CGROUP, "sh", str(len(spec.group.dirs)),
-                    *(os.path.join(d, "cgroup.procs") for d in spec.group.dirs.values()), *argv]
-        cpu0, oom0 = spec.group.counters() if spec.group is not None else (0.0, 0)
-        start = time.monotonic()
-        proc = subprocess.Popen(argv, stdin=f_in, stdout=f_out, stderr=f_err, cwd=cwd, env=scrubbed_env(home),
-                                start_new_session=True, close_fds=True, pass_fds=tuple(in_child),
-                                umask=0o022)  # the directories bwrap creates for binds must be traversable by the uid
-        for fd in in_child:
-            os.close(fd)
-            to_close.remove(fd)
-        pidfd = os.pidfd_open(proc.pid)
-        outcome = _wait(spec, proc, pidfd, start, cpu0)
-        wall = time.monotonic() - start
-        returncode = proc.wait()
-        if not spec.features.get("pid"):
-            _kill_leftovers(proc, spec)
+            argv = [spec.python, "-I", "-S", "-B", "-c", BOOTSTRAP, _config_words(spec, status_w, seccomp_r), program]
+            if spec.group is not None:
+                argv = join_cgroup_argv(spec.group) + argv
+            proc = subprocess.Popen(argv, stdin=f_in, stdout=f_out, stderr=f_err, cwd=tmpdir, env=scrubbed_env(tmpdir),
+                                    start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
+            pidfd = os.pidfd_open(proc.pid)
+            to_close.append(pidfd)
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            outcome = _wait(spec, lambda t: bool(poller.poll(t * 1000.0 + 1)), lambda: _kill_group(proc), start, cpu0)
+            wall = time.monotonic() - start
+            returncode = proc.wait()
+            if not spec.features.get("pid"):
+                _kill_leftovers(proc, spec)
+        os.close(status_w)
+        to_close.remove(status_w)
         if not outcome:
             try:
                 code, sig, cpu = _drain(status_r).decode().split()
@@ -175,19 +171,29 @@ def execute(spec: RunSpec, program: str, stdin: bytes, output_limit: int) -> Run
                          cpu_used, ooms > 0)
     finally:
         if proc is not None and proc.poll() is None:  # only on an exception above
-            _kill(proc)
+            _kill_group(proc)
             proc.wait()
-        if pidfd >= 0:
-            os.close(pidfd)
         for fd in to_close:
             os.close(fd)
         if tmpdir is not None:
-            import shutil
-
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def join_cgroup_argv(group: SlotGroup) -> list[str]:
+    """``sh -c`` in front of a command: it joins the slot's cgroup itself before its first fork, so
+    every process of the run is born inside (moving a process later would leave the ones it already forked out)."""
+    return ["/bin/sh", "-c", _JOIN_CGROUP, "sh", str(len(group.dirs)),
+            *(os.path.join(d, "cgroup.procs") for d in group.dirs.values())]
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
     # bwrap: its init dies with it (--die-with-parent), and with the init the PID namespace.
     # direct: the ns-init has PR_SET_PDEATHSIG; the process group covers the no-PID-namespace case.
     for kill in (os.killpg, os.kill):
@@ -200,31 +206,31 @@ def _kill(proc: subprocess.Popen) -> None:
 def _kill_leftovers(proc: subprocess.Popen, spec: RunSpec) -> None:
     # No PID namespace: the process group, and with a private uid every process of that uid
     # (kill(-1) issued as that uid also reaches grandchildren that left the group with setsid()).
-    _kill(proc)
+    _kill_group(proc)
     if spec.uid is not None:
         subprocess.run([spec.python, "-I", "-S", "-c", "import os\ntry: os.kill(-1, 9)\nexcept OSError: pass"],
                        user=spec.uid, group=spec.uid, extra_groups=[], stdin=subprocess.DEVNULL,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/", timeout=30)
 
 
-def _wait(spec: RunSpec, proc: subprocess.Popen, pidfd: int, start: float, cpu0: float) -> dict:
-    """Block until the run ends; kill it at the wall clock or when its processes together pass the CPU limit."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
+def _wait(spec: RunSpec, wait: Callable[[float], bool], kill: Callable[[], None], start: float, cpu0: float) -> dict:
+    """Block until the run ends (``wait(timeout_s)`` true); kill it at the wall clock or when its processes
+    together pass the CPU limit. Returns ``{}`` when it ended by itself."""
     deadline = start + spec.wall_time_s
     cpu_summed = spec.group is not None and spec.features.get("cgroup_cpu", False)
+    # Without a CPU quota, the run's processes burn at most this many CPUs at once.
+    width = max(1, min(spec.nproc + 1, os.cpu_count() or 1))
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            _kill(proc)
+            kill()
             return {"timeout": True}
         step = remaining
         if cpu_summed:
-            # One CPU of bandwidth: CPU used <= wall time elapsed, so nothing can pass the limit sooner.
             used = spec.group.counters()[0] - cpu0
             if used >= spec.cpu_time_s:
-                _kill(proc)
+                kill()
                 return {"cpu_timeout": True, "cpu_s": used}
-            step = min(remaining, max(spec.cpu_time_s - used, 0.02))
-        if poller.poll(step * 1000.0 + 1):
+            step = min(remaining, max((spec.cpu_time_s - used) / width, 0.01))
+        if wait(step):
             return {}
