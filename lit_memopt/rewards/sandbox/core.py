@@ -130,8 +130,10 @@ def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
     bpf, why = seccomp_bpf() if want["seccomp"] else (None, "not requested")
     if bpf is None:
         notes["seccomp"] = why
-    if want["bwrap"] and not bwrap:
-        notes["bwrap"] = "bubblewrap not installed (apt-get install bubblewrap)" if root else "needs root"
+    if not bwrap:
+        notes["bwrap"] = ("not requested (use_bwrap=False or isolate_filesystem=False)" if not want["bwrap"] else
+                          "bubblewrap not installed (apt-get install bubblewrap)" if root else "needs root")
+        notes["minimal_fs"] = "needs bubblewrap: the direct launcher leaves the host tree visible (read-only to the private uid)"
     if not root:
         for name in ("net", "ipc", "uts", "pid", "mount", "uid"):
             notes[name] = "needs root"
