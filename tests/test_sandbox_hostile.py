@@ -415,3 +415,28 @@ def test_no_leftovers_after_hostile_runs(box: Sandbox) -> None:
             break
         time.sleep(0.05)
     assert stray == [] and resident <= 2 * len(box._zygotes), (stray, resident)
+
+
+def test_fork_server_death_and_copies_do_not_break_runs() -> None:
+    """A dead fork server costs at most the run it was serving; a deep copy (Lightning may make one) runs too."""
+    import copy
+
+    box = Sandbox(LIMITS, max_workers=1)
+    try:
+        assert box.run("print(1)", expected="1").ok
+        if not box._zygotes:
+            assert box.isolation["launcher"] == "direct" and box.isolation["notes"].get("bwrap")
+            return
+        server = box._zygotes[0]._proc
+        for child in psutil.Process(server.pid).children(recursive=True):
+            child.kill()
+        server.wait(10)
+        verdicts = [box.run(f"print({i})") for i in range(3)]
+        assert verdicts[-1].ok and all(v.status in ("ok", "error") for v in verdicts), verdicts
+        twin = copy.deepcopy(box)
+        try:
+            assert twin.run("print(2 + 2)", expected="4").ok and twin.isolation == box.isolation
+        finally:
+            twin.close()
+    finally:
+        box.close()

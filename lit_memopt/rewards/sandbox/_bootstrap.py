@@ -1,19 +1,20 @@
-"""The script every sandboxed run executes first (``python -I -S -B -c BOOTSTRAP CONFIG PROGRAM``).
+"""The script every sandboxed run executes first (``BOOTSTRAP``, with ``CONFIG`` and ``PROGRAM`` as its argv).
 
-Standard library only, and as little of it as possible: it runs once per program, so every import
-is paid thousands of times a step (no ``json``, whose ``re`` import alone costs ~6 ms; ``ctypes`` only
-where a system call has no ``os`` wrapper). ``CONFIG`` is ``key=value`` words separated by spaces.
+Standard library only, and as little of it as possible: with the direct launcher it runs in a new
+interpreter per program, so every import is paid thousands of times a step (no ``json``, whose
+``re`` import alone costs ~6 ms; ``ctypes`` only for the calls ``os`` lacks, and ``_ctypes`` alone
+for the keyring). ``CONFIG`` is ``key=value`` words separated by spaces.
 
-Processes::
+Processes of one run::
 
-    bwrap (outside, trainer's child)  or  bootstrap (outside, "direct" launcher: unshares itself)
-      [bwrap's init, PID 1]                ns-init (PID 1; dies with its parent: PR_SET_PDEATHSIG)
-        bootstrap (root, no capabilities but setuid/setgid when launched by bwrap)
-          worker (private uid, rlimits, seccomp)  -- runs the program
+    bootstrap (root; forked by the slot's fork server, or a new interpreter: unshares the namespaces)
+      ns-init (PID 1 of the run's PID namespace; dies with its parent: PR_SET_PDEATHSIG)
+        worker (private uid, rlimits, no_new_privs, seccomp)  -- runs the program
 
-The bootstrap and the init never run generated code. The bootstrap reports ``exit signal cpu_s``
-on the status fd, which the worker closes before the program's first line; the worker runs under
-another uid and cannot signal, trace or open the files of the bootstrap.
+The bootstrap and the init never run generated code. The init reports ``exit signal cpu_s`` on the
+status fd, which the worker closes before the program's first line; the worker runs under another
+uid and cannot signal, trace or open the files of the processes above it. When the init exits, the
+kernel kills everything left in the PID namespace.
 """
 
 from __future__ import annotations
@@ -36,55 +37,51 @@ def fail(what, err):
         return
     os.write(2, ("sandbox setup failed at %s: %s\n" % (what, err)).encode())
     os._exit(_SETUP_FAILED_)
-if cfg["launcher"] == "direct":
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    def errno():
-        return os.strerror(ctypes.get_errno())
-if cfg["launcher"] == "direct":
-    flags = 0
-    for name, flag in (("net", 0x40000000), ("mount", 0x00020000), ("pid", 0x20000000), ("ipc", 0x08000000),
-                       ("uts", 0x04000000)):
-        if cfg[name] == "1":
-            flags |= flag
-    if flags and libc.unshare(flags) != 0:
-        fail("unshare", errno())
-    if cfg["mount"] == "1":
-        ok = libc.mount(b"none", b"/", None, 16384 | (1 << 18), None) == 0  # MS_REC | MS_PRIVATE
-        size = ("size=%s,mode=1777" % cfg["tmpfs_bytes"]).encode()
-        ok = ok and libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", 0, size) == 0
-        if ok:
-            os.chdir(os.getcwd())  # enter the fresh tmpfs that now sits on the working directory
-            for shared in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock"):
-                if os.path.isdir(shared) and libc.mount(b"tmpfs", shared, b"tmpfs", 0, b"size=1m,mode=1777") != 0:
-                    ok = False
-        if not ok:
-            fail("mount", errno())
-    parent = os.getpid()
-    init = os.fork()
-    if init:
-        # Outside the namespaces: the trainer kills this process on timeout; the init dies with it.
-        os.waitpid(init, 0)
-        os._exit(0)
-    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL
-    if cfg["pid"] != "1" and os.getppid() != parent:
-        os._exit(0)  # the bootstrap was killed before PDEATHSIG was armed
-    if cfg["pid"] == "1" and cfg["mount"] == "1":
-        # A /proc of the new PID namespace: the trainer's processes are not even visible.
-        if libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) != 0:  # nosuid, nodev, noexec
-            fail("proc", errno())
-    if cfg["pid"] != "1":
-        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us to be reaped
+import ctypes  # already loaded in a fork server
+libc = ctypes.CDLL(None, use_errno=True)
+def errno():
+    return os.strerror(ctypes.get_errno())
+flags = 0
+for name, flag in (("net", 0x40000000), ("mount", 0x00020000), ("pid", 0x20000000), ("ipc", 0x08000000),
+                   ("uts", 0x04000000)):
+    if cfg[name] == "1":
+        flags |= flag
+if flags and libc.unshare(flags) != 0:
+    fail("unshare", errno())
+if cfg["mount"] == "1":
+    ok = libc.mount(b"none", b"/", None, 16384 | (1 << 18), None) == 0  # MS_REC | MS_PRIVATE
+    size = ("size=%s,mode=1777" % cfg["tmpfs_bytes"]).encode()
+    ok = ok and libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", 0, size) == 0
+    if ok:
+        os.chdir(os.getcwd())  # enter the fresh tmpfs that now sits on the working directory
+        for shared in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock"):
+            if os.path.isdir(shared) and libc.mount(b"tmpfs", shared, b"tmpfs", 0, b"size=1m,mode=1777") != 0:
+                ok = False
+    if not ok:
+        fail("mount", errno())
+parent = os.getpid()
+init = os.fork()
+if init:
+    # Outside the namespaces: the trainer kills this process on timeout; the init dies with it.
+    code = os.waitstatus_to_exitcode(os.waitpid(init, 0)[1])
+    os._exit(code if code == _SETUP_FAILED_ else 0)
+libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL
+if cfg["pid"] != "1" and os.getppid() != parent:
+    os._exit(0)  # the bootstrap was killed before PDEATHSIG was armed
+if cfg["pid"] == "1" and cfg["mount"] == "1":
+    # A /proc of the new PID namespace: the trainer's processes are not even visible.
+    if libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) != 0:  # nosuid, nodev, noexec
+        fail("proc", errno())
+if cfg["pid"] != "1":
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us to be reaped
 if cfg["keyring"] == "1":
     # A fresh anonymous session keyring: the trainer's keys are no longer "possessed" by anything below.
-    # Through _ctypes directly: importing ctypes costs ~6 ms per run, this ~0.5 ms.
-    import _ctypes
-    serial = _ctypes.call_function(_ctypes.dlsym(_ctypes.dlopen(None, 2), "syscall"), (250, 1, 0))
-    if serial < 0:  # keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
-        fail("keyring", "keyctl(KEYCTL_JOIN_SESSION_KEYRING) refused")
+    serial = libc.syscall(250, 1, None)  # keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
+    if serial < 0:
+        fail("keyring", errno())
     report.append("keyring=%d" % serial)
-if cfg["launcher"] == "direct" and cfg["seccomp_fd"] != "-":
-    # No bwrap to load it: the filter libseccomp compiled in the trainer arrives on an fd (or with the fork server).
+if cfg["seccomp_fd"] != "-":
+    # The filter libseccomp compiled in the trainer arrives on an fd (or with the fork server).
     bpf = globals().get("ZYGOTE_BPF")
     if cfg["seccomp_fd"] != "zygote":
         fd = int(cfg["seccomp_fd"])
@@ -104,7 +101,7 @@ if cfg["launcher"] == "direct" and cfg["seccomp_fd"] != "-":
         prog = Prog(len(bpf) // 8, bpf)
         if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
             fail("seccomp", errno())
-if cfg["launcher"] == "direct" and libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries gain nothing
+if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries gain nothing
     fail("no_new_privs", errno())
 worker = os.fork()
 if worker == 0:

@@ -55,11 +55,6 @@ class SlotGroup:
     version: int
     dirs: dict[str, str] = field(default_factory=dict)  # controller -> directory ("" for v2)
 
-    def add(self, pid: int) -> None:
-        """Move ``pid`` into every hierarchy of the slot (before it forks: children inherit the group)."""
-        for d in self.dirs.values():
-            _write(os.path.join(d, "cgroup.procs"), str(pid))
-
     def settle(self, timeout_s: float = 0.05) -> None:
         """Wait (briefly) until the last run's exited tasks are uncharged, so they do not eat ``pids.max``.
 

@@ -69,7 +69,7 @@ _JOIN_CGROUP = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125
 def _config_words(spec: RunSpec, status_fd: int, seccomp_fd: int | str | None) -> str:
     f = spec.features
     words = {
-        "probe": int(spec.probe), "launcher": "direct", "status": status_fd,
+        "probe": int(spec.probe), "status": status_fd,
         "seccomp_fd": "-" if seccomp_fd is None else seccomp_fd,
         "keyring": int(f.get("keyring", False)), "uid": -1 if spec.uid is None else spec.uid, "nproc": spec.nproc,
         "tmpfs_bytes": spec.tmpfs_bytes,
