@@ -10,7 +10,6 @@ import errno
 import os
 import shutil
 import socket
-import stat
 import threading
 import time
 import uuid

@@ -15,7 +15,7 @@ from lit_memopt.rewards.sandbox.core import (
     Sandbox,
     SandboxLimits,
     Verdict,
-    _child_uid,
+    _child_uid,  # re-exported: tests find a slot's processes by its uid
     probe_isolation,
     verdict_summary,
 )

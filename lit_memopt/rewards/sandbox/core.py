@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import tempfile
 import threading
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor

@@ -146,11 +146,7 @@ def execute(spec: RunSpec, program: str, stdin: bytes, output_limit: int) -> Run
                 argv = join_cgroup_argv(spec.group) + argv
             proc = subprocess.Popen(argv, stdin=f_in, stdout=f_out, stderr=f_err, cwd=tmpdir, env=scrubbed_env(tmpdir),
                                     start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
-            pidfd = os.pidfd_open(proc.pid)
-            to_close.append(pidfd)
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
-            outcome = _wait(spec, lambda t: bool(poller.poll(t * 1000.0 + 1)), lambda: _kill_group(proc), start, cpu0)
+            outcome = _wait(spec, _exit_waiter(proc, to_close), lambda: _kill_group(proc), start, cpu0)
             wall = time.monotonic() - start
             returncode = proc.wait()
             if not spec.features.get("pid"):
@@ -177,6 +173,24 @@ def execute(spec: RunSpec, program: str, stdin: bytes, output_limit: int) -> Run
             os.close(fd)
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _exit_waiter(proc: subprocess.Popen, to_close: list[int]) -> Callable[[float], bool]:
+    """``wait(timeout_s) -> exited``: blocking on a pidfd (Linux >= 5.3), else Popen's own (polling) wait."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        def polled(timeout_s: float) -> bool:
+            try:
+                proc.wait(timeout=timeout_s)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        return polled
+    to_close.append(pidfd)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return lambda timeout_s: bool(poller.poll(timeout_s * 1000.0 + 1))
 
 
 def join_cgroup_argv(group: SlotGroup) -> list[str]:
