@@ -439,3 +439,29 @@ def test_fork_server_death_and_copies_do_not_break_runs() -> None:
             twin.close()
     finally:
         box.close()
+
+
+def test_bubblewrap_failing_here_falls_back_and_says_why(monkeypatch) -> None:
+    """bubblewrap installed but refused by the machine: the direct launcher is used and the report says so."""
+    from lit_memopt.rewards.sandbox import core, probe
+
+    python = None
+    monkeypatch.setattr(core, "bwrap_argv", lambda *a, **k: ["/bin/sh", "-c", "echo 'bwrap: refused here' >&2; exit 1"])
+    monkeypatch.setattr(core, "find_bwrap", lambda: "/usr/bin/bwrap")
+    lock, cache = probe.probe_cache()
+    saved = dict(cache)
+    cache.clear()
+    try:
+        box = Sandbox(LIMITS, max_workers=1, python=python)
+        try:
+            assert box.isolation["launcher"] == "direct" and not box.isolation["bwrap"]
+            assert "failed here" in box.isolation["notes"]["bwrap"]
+            assert box.isolation["uid"] and box.isolation["seccomp"] and box.isolation["ipc"], box.isolation
+            assert box.run("print(6 * 7)", expected="42").ok
+        finally:
+            box.close()
+        with pytest.raises(RuntimeError, match="bwrap"):
+            Sandbox(LIMITS, max_workers=1, python=python, require=["bwrap"])
+    finally:
+        cache.clear()
+        cache.update(saved)

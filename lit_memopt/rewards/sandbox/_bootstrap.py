@@ -59,15 +59,18 @@ if cfg["mount"] == "1":
                 ok = False
     if not ok:
         fail("mount", errno())
-parent = os.getpid()
+alive_r, alive_w = os.pipe()  # at EOF once the bootstrap is gone, whichever namespace the init is in
 init = os.fork()
 if init:
     # Outside the namespaces: the trainer kills this process on timeout; the init dies with it.
     code = os.waitstatus_to_exitcode(os.waitpid(init, 0)[1])
     os._exit(code if code == _SETUP_FAILED_ else 0)
+os.close(alive_w)
 libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL
-if cfg["pid"] != "1" and os.getppid() != parent:
+import select
+if select.select([alive_r], [], [], 0)[0]:
     os._exit(0)  # the bootstrap was killed before PDEATHSIG was armed
+os.close(alive_r)
 if cfg["pid"] == "1" and cfg["mount"] == "1":
     # A /proc of the new PID namespace: the trainer's processes are not even visible.
     if libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) != 0:  # nosuid, nodev, noexec

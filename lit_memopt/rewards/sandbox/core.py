@@ -166,6 +166,11 @@ def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
             zygote.stop()
         for g in groups:
             g.remove()
+    if launcher == "bwrap" and not report:
+        # bubblewrap is installed but this machine refuses what it needs: the direct launcher, saying why.
+        fallback = _probe_with(python, {**want, "bwrap": False})
+        fallback["notes"]["bwrap"] = f"installed but failed here: {notes.get('launcher', 'no report')}"[:300]
+        return fallback
     report["python"] = python
     on = judge(report, launcher=launcher, want={k: want[k] for k in ("net", "ipc", "uts", "pid", "mount")}, uid=uid,
                cgroups=cg_on, cgroup_used=used)
