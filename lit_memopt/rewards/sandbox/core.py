@@ -341,6 +341,8 @@ class Sandbox:
             uid_drop = bool(iso["uid"] and iso["nproc"])
             self._zygotes = [_make_zygote(iso["bwrap_path"], iso["python"], self._groups[slot] if self._groups else None,
                                           uid_drop, bool(iso["seccomp"])) for slot in range(self.max_workers)]
+            for zygote in self._zygotes:
+                zygote.ensure_started()
 
     # ------------------------------------------------------------------ public
     def run(self, program: str, stdin: str = "", expected: str | None = None) -> Verdict:

@@ -98,11 +98,19 @@ class Zygote:
             if bpf_r is not None:
                 os.close(bpf_r)
 
-    def submit(self, words: str, program: str, fds: list[int]) -> int:
-        """Send one run; returns the host pid of its first process (killing it ends the whole run)."""
+    def ensure_started(self) -> None:
+        """Start the fork server unless it is running (it boots in the background; Popen returns at once).
+
+        Called from the thread that builds the sandbox: bubblewrap's parent-death signal follows the
+        thread that started it, so a server started by a short-lived pool thread would die with it.
+        """
         if self._proc is None or self._proc.poll() is not None:
             self.stop()
             self._start()
+
+    def submit(self, words: str, program: str, fds: list[int]) -> int:
+        """Send one run; returns the host pid of its first process (killing it ends the whole run)."""
+        self.ensure_started()
         assert self._sock is not None
         socket.send_fds(self._sock, [f"{words}\0{program}".encode("utf-8")], fds)
         reply = self._recv(60.0)
