@@ -443,11 +443,11 @@ def test_fork_server_death_and_copies_do_not_break_runs() -> None:
 
 def test_bubblewrap_failing_here_falls_back_and_says_why(monkeypatch) -> None:
     """bubblewrap installed but refused by the machine: the direct launcher is used and the report says so."""
-    from lit_memopt.rewards.sandbox import core, probe
+    from lit_memopt.rewards.sandbox import probe
 
     python = None
-    monkeypatch.setattr(core, "bwrap_argv", lambda *a, **k: ["/bin/sh", "-c", "echo 'bwrap: refused here' >&2; exit 1"])
-    monkeypatch.setattr(core, "find_bwrap", lambda: "/usr/bin/bwrap")
+    monkeypatch.setattr(probe, "bwrap_argv", lambda *a, **k: ["/bin/sh", "-c", "echo 'bwrap: refused here' >&2; exit 1"])
+    monkeypatch.setattr(probe, "find_bwrap", lambda: "/usr/bin/bwrap")
     lock, cache = probe.probe_cache()
     saved = dict(cache)
     cache.clear()

@@ -16,10 +16,9 @@ from lit_memopt.rewards.sandbox.core import (
     SandboxLimits,
     Verdict,
     _child_uid,  # re-exported: tests find a slot's processes by its uid
-    probe_isolation,
     verdict_summary,
 )
-from lit_memopt.rewards.sandbox.probe import FEATURES
+from lit_memopt.rewards.sandbox.probe import FEATURES, probe_isolation
 
 __all__ = ["FEATURES", "MAX_PROGRAM_BYTES", "Sandbox", "SandboxLimits", "Verdict", "VERDICTS", "probe_isolation",
            "verdict_summary"]

@@ -39,7 +39,8 @@ DENIED_SYSCALLS = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
     "swapon", "swapoff", "acct", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "sethostname", "setdomainname", "iopl", "ioperm", "quotactl", "syslog", "vhangup",
-    "open_by_handle_at", "name_to_handle_at", "fanotify_init", "lookup_dcookie", "nfsservctl",
+    "open_by_handle_at", "name_to_handle_at", "fanotify_init", "lookup_dcookie", "nfsservctl", "quotactl_fd",
+    "uselib", "process_madvise", "move_pages", "migrate_pages",
 )
 
 

@@ -13,6 +13,11 @@ import sys
 import threading
 from typing import Any
 
+from lit_memopt.rewards.sandbox.cgroups import SlotGroup, create_slot_groups
+from lit_memopt.rewards.sandbox.policy import WORKDIR, bwrap_argv, interpreter_files, seccomp_bpf
+from lit_memopt.rewards.sandbox.runner import RunSpec, child_uid, execute, join_cgroup_argv, scrubbed_env
+from lit_memopt.rewards.sandbox.zygote import Zygote
+
 #: Every feature the probe reports, in the order of the one-line summary.
 FEATURES: tuple[str, ...] = (
     "bwrap", "net", "ipc", "uts", "pid", "mount", "proc", "minimal_fs", "uid", "nproc", "rlimits", "no_new_privs",
@@ -63,8 +68,6 @@ def judge(report: dict[str, str], *, launcher: str, want: dict[str, bool], uid: 
 
     root = set(filter(None, report.get("root", "").split(",")))
     expected_root = {"dev", "proc", "tmp", "program"}
-    from lit_memopt.rewards.sandbox.policy import interpreter_files
-
     if launcher == "bwrap":
         binds, _ = interpreter_files(report["python"])
         expected_root |= {dst.split("/")[1] for _, dst in binds}
@@ -95,6 +98,102 @@ def judge(report: dict[str, str], *, launcher: str, want: dict[str, bool], uid: 
 
 def probe_cache() -> tuple[threading.Lock, dict[tuple, dict[str, Any]]]:
     return _PROBE_LOCK, _PROBE_CACHE
+
+
+def make_zygote(bwrap: str, python: str, group: SlotGroup | None, uid_drop: bool, seccomp: bool) -> Zygote:
+    """The fork server of one slot: joins ``group``, then bubblewrap with the minimal filesystem, then the interpreter."""
+    prefix = (join_cgroup_argv(group) if group is not None else []) + bwrap_argv(bwrap, python, uid_drop=uid_drop)
+    return Zygote(prefix, python, scrubbed_env(WORKDIR), seccomp_bpf()[0] if seccomp else None)
+
+
+def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
+    bwrap = find_bwrap() if want["bwrap"] else None
+    launcher = "bwrap" if bwrap else "direct"
+    root = os.geteuid() == 0
+    notes: dict[str, str] = {}
+    bpf, why = seccomp_bpf() if want["seccomp"] else (None, "not requested")
+    if bpf is None:
+        notes["seccomp"] = why
+    if not bwrap:
+        notes["bwrap"] = ("not requested (use_bwrap=False or isolate_filesystem=False)" if not want["bwrap"] else
+                          "bubblewrap not installed (apt-get install bubblewrap)" if root else "needs root")
+        notes["minimal_fs"] = "needs bubblewrap: the direct launcher leaves the host tree visible (read-only to the private uid)"
+    if not root:
+        for name in ("net", "ipc", "uts", "pid", "mount", "uid"):
+            notes[name] = "needs root"
+    uid = child_uid(63) if (want["uid"] and root) else None
+    features = {k: want[k] and root for k in ("net", "mount", "pid", "ipc", "uts")}
+    features.update(keyring=want["keyring"], seccomp=bpf is not None)
+    groups, cg_on, cg_why = ([], {}, "not requested")
+    if want["cgroup"]:
+        groups, cg_on, cg_why = create_slot_groups(f"lit_memopt_probe_{os.getpid()}", 1, memory_bytes=256 << 20,
+                                                   max_processes=16)
+    if cg_why:
+        for name in ("cgroup_memory", "cgroup_pids", "cgroup_cpu"):
+            if not cg_on.get(name.split("_")[1]):
+                notes[name] = cg_why
+    group = groups[0] if groups else None
+    zygote = make_zygote(bwrap, python, group, uid is not None, features["seccomp"]) if bwrap else None
+    spec = RunSpec(launcher, python, features, uid, {"CPU": 10, "AS": 1 << 30, "FSIZE": 1 << 20, "NOFILE": 64, "CORE": 0},
+                   8, 1 << 20, 30.0, 30.0, group, zygote, probe=True)
+    report: dict[str, str] = {}
+    try:
+        result = execute(spec, "", b"", 1 << 16)
+        report = dict(w.split("=", 1) for w in result.stdout.decode("utf-8", "replace").split() if "=" in w)
+        if not report:
+            notes.setdefault("launcher", result.stderr.decode("utf-8", "replace").strip()[:300])
+        used = bool(group and (group.peak_memory_bytes() > 0 or group.counters()[0] > 0))
+    except Exception as exc:  # noqa: BLE001 - a launcher this machine refuses: everything reported off
+        notes["launcher"] = f"{type(exc).__name__}: {exc}"
+        used = False
+    finally:
+        if zygote is not None:
+            zygote.stop()
+        for g in groups:
+            g.remove()
+    if launcher == "bwrap" and not report:
+        # bubblewrap is installed but this machine refuses what it needs: the direct launcher, saying why.
+        fallback = _probe_with(python, {**want, "bwrap": False})
+        fallback["notes"]["bwrap"] = f"installed but failed here: {notes.get('launcher', 'no report')}"[:300]
+        return fallback
+    report["python"] = python
+    on = judge(report, launcher=launcher, want={k: want[k] for k in ("net", "ipc", "uts", "pid", "mount")}, uid=uid,
+               cgroups=cg_on, cgroup_used=used)
+    for name in FEATURES:
+        if not on[name] and name not in notes and want.get(name.split("_")[0], True):
+            notes[name] = "refused by this machine" if report else "probe run failed"
+    return {"python": python, "launcher": launcher, "bwrap_path": bwrap, **on, "notes": notes}
+
+
+def probe_isolation(want_net: bool = True, want_mount: bool = True, want_pid: bool = True, want_uid: bool = True,
+                    python: str | None = None, *, want_bwrap: bool = True, want_seccomp: bool = True,
+                    want_cgroup: bool = True, want_keyring: bool = True) -> dict[str, Any]:
+    """Find out once per process which isolation features this platform permits.
+
+    Returns ``{"python", "launcher", "bwrap_path", <feature>: bool for each of probe.FEATURES, "notes": {feature:
+    why it is off}}``. Each feature is judged from inside a real probe run (see :mod:`.probe`). With
+    ``python=None`` the trainer's own interpreter is preferred; when the private uid cannot read its
+    standard library, the first system ``python3`` whose standard library it can read is used.
+    """
+    want = {"net": want_net, "mount": want_mount, "pid": want_pid, "uid": want_uid, "ipc": want_mount,
+            "uts": want_mount, "bwrap": want_bwrap and want_mount, "seccomp": want_seccomp, "cgroup": want_cgroup,
+            "keyring": want_keyring}
+    key = (tuple(sorted(want.items())), python)
+    lock, cache = probe_cache()
+    with lock:
+        if key not in cache:
+            chosen: dict | None = None
+            for candidate in interpreter_candidates(python):
+                report = _probe_with(candidate, want)
+                if chosen is None or (report["rlimits"] and not chosen["rlimits"]):
+                    chosen = report
+                if report["stdlib"] and report["rlimits"]:
+                    chosen = report
+                    break
+            if chosen is None:
+                raise ValueError(f"Sandbox(python={python!r}): no Python interpreter found to run programs with.")
+            cache[key] = chosen
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in cache[key].items()}
 
 
 def summary_line(isolation: dict[str, Any]) -> str:

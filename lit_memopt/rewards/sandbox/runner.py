@@ -26,6 +26,12 @@ from lit_memopt.rewards.sandbox.policy import seccomp_bpf
 from lit_memopt.rewards.sandbox.zygote import Zygote
 
 
+def child_uid(slot: int) -> int:
+    # A uid no one else uses, unique per (trainer process, pool slot): RLIMIT_NPROC then counts
+    # only this run's processes, and the bootstrap (root) is out of the program's reach.
+    return 200_000 + os.getpid() * 64 + slot
+
+
 def scrubbed_env(home: str) -> dict[str, str]:
     # Built from scratch: nothing of the trainer's environment (tokens, paths, secrets) is passed on.
     # PYTHONHASHSEED fixes set/dict-of-str ordering so outputs are reproducible across runs.
