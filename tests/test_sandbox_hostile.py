@@ -438,7 +438,9 @@ def test_fork_server_death_and_copies_do_not_break_runs() -> None:
         finally:
             twin.close()
     finally:
+        dirs = [d for g in box._groups for d in g.dirs.values()]
         box.close()
+    assert not [d for d in dirs if os.path.exists(d)], "close() left slot cgroups behind"
 
 
 def test_bubblewrap_failing_here_falls_back_and_says_why(monkeypatch) -> None:

@@ -88,12 +88,37 @@ class SlotGroup:
                 return _read_int(os.path.join(d, name))
         return 0
 
-    def remove(self) -> None:
+    def remove(self, wait_s: float = 2.0) -> None:
+        """Delete the group's directories, once the tasks killed just before have left them."""
+        deadline = time.monotonic() + wait_s
         for d in self.dirs.values():
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY: a dying task is still charged to it
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.005)
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove empty slot groups left by trainers that were killed before they could (``<prefix>_<pid>_...``)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(("lit_memopt_sandbox_", "lit_memopt_probe_")):
+            continue
+        pid = name.split("_")[3]
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
             try:
-                os.rmdir(d)
+                os.rmdir(os.path.join(parent, name))
             except OSError:
-                pass
+                pass  # still has tasks, or not ours to remove
 
 
 def create_slot_groups(name: str, slots: int, *, memory_bytes: int, max_processes: int) -> tuple[list[SlotGroup], dict[str, bool], str]:
@@ -113,6 +138,7 @@ def create_slot_groups(name: str, slots: int, *, memory_bytes: int, max_processe
         except OSError:
             delegated = set()
         if {"memory", "pids"} <= delegated:
+            _remove_stale(parent)
             groups, why = [], ""
             try:
                 for slot in range(slots):
@@ -141,6 +167,8 @@ def create_slot_groups(name: str, slots: int, *, memory_bytes: int, max_processe
                 base = os.path.join(_ROOT, controller)
                 if controller not in own or not os.path.exists(os.path.join(base, "cgroup.procs")):
                     continue
+                if slot == 0:
+                    _remove_stale(os.path.join(base, own[controller].lstrip("/")))
                 d = os.path.join(base, own[controller].lstrip("/"), f"{name}_{slot}")
                 os.makedirs(d, exist_ok=True)
                 group.dirs[controller] = d
