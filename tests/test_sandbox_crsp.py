@@ -91,3 +91,14 @@ def test_crsp_step_survives_hostile_proposals(monkeypatch, tmp_path) -> None:
         time.sleep(0.05)
     assert stray == []
     assert time.monotonic() - start < 300
+
+
+def test_crsp_passes_the_sandbox_requirement_on() -> None:
+    with pytest.raises(ValueError, match="require"):
+        _module(sandbox_require=["teleportation"]).setup("test")
+    module = _module(sandbox_require=["rlimits"])
+    module.setup("test")
+    try:
+        assert module.sandbox.require == ("rlimits",)
+    finally:
+        module.sandbox.close()
