@@ -349,6 +349,11 @@ def test_invalid_input_never_raises(box: Sandbox) -> None:
                                             "error", "error", "ok", "wrong", "ok"], verdicts
     assert "invalid input" in verdicts[1].detail and "surrogate" in verdicts[1].detail
     assert "stdin" in verdicts[2].detail and "program must be str" in verdicts[3].detail
+    class BadRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    assert box.run_many([(BadRepr(), ""), ("print(1)", BadRepr())])[1].status == "error"
     assert box.run("print('\udc80')").status == "error"
     assert box.run(None).status == "error"  # type: ignore[arg-type]
 

@@ -363,8 +363,13 @@ class Sandbox:
     def _key(program: Any, stdin: Any) -> str:
         h = hashlib.sha256()
         for part in (program, stdin):
-            data = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else repr((type(part), part)).encode(
-                "utf-8", "backslashreplace")
+            if isinstance(part, str):
+                data = part.encode("utf-8", "surrogatepass")
+            else:  # refused later with an error verdict; its key only has to exist
+                try:
+                    data = repr((type(part), part)).encode("utf-8", "backslashreplace")
+                except Exception:  # noqa: BLE001 - an object whose repr fails still gets a verdict
+                    data = f"{type(part).__qualname__}@{id(part)}".encode()
             h.update(b"s" if isinstance(part, str) else b"o")
             h.update(len(data).to_bytes(8, "little"))
             h.update(data)
