@@ -39,7 +39,8 @@ def _fork_servers(box: Sandbox) -> set[int]:
         proc = zygote._proc
         if proc is not None and proc.poll() is None:
             pids.add(proc.pid)
-            pids.update(c.pid for c in psutil.Process(proc.pid).children())
+            if psutil.Process(proc.pid).name() == "bwrap":  # the server itself runs under bubblewrap
+                pids.update(c.pid for c in psutil.Process(proc.pid).children())
     return pids
 
 

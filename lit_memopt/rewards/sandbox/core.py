@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 from lit_memopt.rewards.sandbox._bootstrap import EXIT_MEMORY, EXIT_SETUP_FAILED
 from lit_memopt.rewards.sandbox.cgroups import SlotGroup, create_slot_groups
-from lit_memopt.rewards.sandbox.probe import FEATURES, make_zygote, probe_isolation, summary_line
+from lit_memopt.rewards.sandbox.probe import FEATURES, make_zygote, probe_isolation, summary_line, uses_fork_server
 from lit_memopt.rewards.sandbox.runner import RunSpec, child_uid, execute
 from lit_memopt.rewards.sandbox.zygote import Zygote
 
@@ -140,8 +140,11 @@ class Sandbox:
     * a cgroup per pool slot: memory, process count and CPU time hold for all processes of the run
       together (on top of per-process ``RLIMIT_AS``/``RLIMIT_CPU``/``RLIMIT_FSIZE``/``RLIMIT_NOFILE``).
 
-    Without bubblewrap the bootstrap unshares the namespaces itself (``launcher="direct"``; the host
-    tree stays visible read-only to the private uid) and loads the same filter. Which features this
+    Each run is forked from a per-slot fork server (:mod:`.zygote`), a clean interpreter started once,
+    so a run costs no interpreter start-up. Without bubblewrap (``launcher="direct"``) the same
+    bootstrap unshares the namespaces and loads the same filter, but the host tree stays visible
+    read-only to the private uid; without mount and PID namespaces (not root) every run is a new
+    interpreter and leftovers are killed by process group and uid. Which features this
     machine grants is probed once per process by a real run (:func:`probe_isolation`) and printed in
     one line; ``require`` turns a missing feature into an error at construction. Once probed, a
     feature is required: if it fails later the run is refused (``error`` verdict), never weaker.
@@ -237,7 +240,7 @@ class Sandbox:
                 memory_bytes=(self.limits.memory_mb << 20) + (48 << 20), max_processes=self.limits.max_processes + 4)
             if not self._groups:
                 raise RuntimeError(f"Sandbox: the slot cgroups probed at start can no longer be created ({why}).")
-        if iso["launcher"] == "bwrap":
+        if uses_fork_server(iso):
             uid_drop = bool(iso["uid"] and iso["nproc"])
             self._zygotes = [make_zygote(iso["bwrap_path"], iso["python"], self._groups[slot] if self._groups else None,
                                           uid_drop, bool(iso["seccomp"])) for slot in range(self.max_workers)]
@@ -315,7 +318,7 @@ class Sandbox:
             self._pool.shutdown(wait=True)
             self._pool = None
         for zygote in self._zygotes:
-            zygote.stop()
+            zygote.close()
         self._zygotes = []
         for group in self._groups:
             group.remove()
@@ -323,7 +326,7 @@ class Sandbox:
 
     def __del__(self) -> None:
         for zygote in getattr(self, "_zygotes", []):
-            zygote.stop()
+            zygote.close()
         for group in getattr(self, "_groups", []):
             group.remove()
 

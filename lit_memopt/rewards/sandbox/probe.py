@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -100,10 +101,22 @@ def probe_cache() -> tuple[threading.Lock, dict[tuple, dict[str, Any]]]:
     return _PROBE_LOCK, _PROBE_CACHE
 
 
-def make_zygote(bwrap: str, python: str, group: SlotGroup | None, uid_drop: bool, seccomp: bool) -> Zygote:
-    """The fork server of one slot: joins ``group``, then bubblewrap with the minimal filesystem, then the interpreter."""
-    prefix = (join_cgroup_argv(group) if group is not None else []) + bwrap_argv(bwrap, python, uid_drop=uid_drop)
-    return Zygote(prefix, python, scrubbed_env(WORKDIR), seccomp_bpf()[0] if seccomp else None)
+def make_zygote(bwrap: str | None, python: str, group: SlotGroup | None, uid_drop: bool, seccomp: bool) -> Zygote:
+    """The fork server of one slot: joins ``group``, then (with ``bwrap``) bubblewrap with the minimal
+    filesystem, then the interpreter. Without bubblewrap it serves from an empty host directory that
+    each run covers with its own tmpfs."""
+    prefix = join_cgroup_argv(group) if group is not None else []
+    bpf = seccomp_bpf()[0] if seccomp else None
+    if bwrap:
+        return Zygote(prefix + bwrap_argv(bwrap, python, uid_drop=uid_drop), python, scrubbed_env(WORKDIR), bpf)
+    workdir = tempfile.mkdtemp(prefix="lit_memopt_slot_")
+    os.chmod(workdir, 0o755)
+    return Zygote(prefix, python, scrubbed_env(workdir), bpf, cwd=workdir, owned_dir=workdir)
+
+
+def uses_fork_server(isolation: dict[str, Any]) -> bool:
+    """A fork server needs each run to get its own mount and PID namespaces (nothing persists, one kill ends it)."""
+    return isolation["launcher"] == "bwrap" or bool(isolation["mount"] and isolation["pid"])
 
 
 def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
@@ -133,7 +146,8 @@ def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
             if not cg_on.get(name.split("_")[1]):
                 notes[name] = cg_why
     group = groups[0] if groups else None
-    zygote = make_zygote(bwrap, python, group, uid is not None, features["seccomp"]) if bwrap else None
+    forked = bool(bwrap) or (features["mount"] and features["pid"])
+    zygote = make_zygote(bwrap, python, group, uid is not None, features["seccomp"]) if forked else None
     spec = RunSpec(launcher, python, features, uid, {"CPU": 10, "AS": 1 << 30, "FSIZE": 1 << 20, "NOFILE": 64, "CORE": 0},
                    8, 1 << 20, 30.0, 30.0, group, zygote, probe=True)
     report: dict[str, str] = {}
@@ -148,7 +162,7 @@ def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
         used = False
     finally:
         if zygote is not None:
-            zygote.stop()
+            zygote.close()
         for g in groups:
             g.remove()
     if launcher == "bwrap" and not report:
@@ -162,7 +176,8 @@ def _probe_with(python: str, want: dict[str, bool]) -> dict[str, Any]:
     for name in FEATURES:
         if not on[name] and name not in notes and want.get(name.split("_")[0], True):
             notes[name] = "refused by this machine" if report else "probe run failed"
-    return {"python": python, "launcher": launcher, "bwrap_path": bwrap, **on, "notes": notes}
+    return {"python": python, "launcher": launcher, "bwrap_path": bwrap, "fork_server": forked and bool(report), **on,
+            "notes": notes}
 
 
 def probe_isolation(want_net: bool = True, want_mount: bool = True, want_pid: bool = True, want_uid: bool = True,
@@ -207,7 +222,8 @@ def summary_line(isolation: dict[str, Any]) -> str:
         per_process.append("CPU time (RLIMIT_CPU)")
     if not isolation.get("cgroup_pids"):
         per_process.append("processes (RLIMIT_NPROC of the private uid)" if isolation.get("nproc") else "processes (not limited)")
-    text = f"Sandbox isolation ({isolation.get('launcher')}, {isolation.get('python')}): on: {', '.join(on) or 'nothing'}"
+    server = ", fork server" if isolation.get("fork_server") else ", a new interpreter per run"
+    text = f"Sandbox isolation ({isolation.get('launcher')}{server}, {isolation.get('python')}): on: {', '.join(on) or 'nothing'}"
     if off:
         text += f"; OFF: {off_text}"
     if per_process:

@@ -1,9 +1,9 @@
 """Launch one sandboxed run and wait for it: the mechanics under :class:`~lit_memopt.rewards.sandbox.Sandbox`.
 
-Two launchers: ``bwrap`` (the slot's fork server inside bubblewrap forks the run, see :mod:`.zygote`)
-and ``direct`` (a new interpreter per run whose bootstrap unshares itself; the host tree stays
-visible read-only to the private uid). Either way the bootstrap sets up the namespaces, keyring,
-no_new_privs and seccomp filter of the run. The trainer enforces the wall clock and the run's summed
+A run is forked by the slot's fork server (see :mod:`.zygote`; inside bubblewrap, or on the host
+tree with the ``direct`` launcher), or, where runs cannot get their own mount and PID namespaces, is
+a new interpreter. Either way the bootstrap sets up the namespaces, keyring, no_new_privs and
+seccomp filter of the run. The trainer enforces the wall clock and the run's summed
 CPU time; it blocks on a pidfd or the fork server's socket (no polling) and kills the whole run with
 one signal.
 """

@@ -1,8 +1,9 @@
-"""A fork server per pool slot, inside bubblewrap: every run is forked from a clean, pre-started interpreter.
+"""A fork server per pool slot: every run is forked from a clean, pre-started interpreter.
 
 Starting bubblewrap and a Python interpreter costs more than the run itself (~15 ms of the ~35 ms a
-run took). The zygote pays it once per slot: bubblewrap gives it the minimal read-only filesystem
-and keeps only ``CAP_SYS_ADMIN``/``CAP_SETUID``/``CAP_SETGID``; the zygote never runs generated
+run took). The zygote pays it once per slot: under bubblewrap it sees only the minimal read-only
+filesystem and keeps only ``CAP_SYS_ADMIN``/``CAP_SETUID``/``CAP_SETGID`` (without bubblewrap it
+is a root process on the host tree, as the old per-run bootstrap was); it never runs generated
 code. For each run it forks a child that executes the bootstrap in ``direct`` mode: new IPC, UTS,
 network, PID and mount namespaces, fresh tmpfs on the working directory, ``/tmp`` and ``/dev/shm``,
 a fresh session keyring, no_new_privs and the seccomp filter, the private uid and the rlimits. So
@@ -66,11 +67,14 @@ while True:
 class Zygote:
     """The fork server of one pool slot; started on first use, restarted if it dies."""
 
-    def __init__(self, argv_prefix: list[str], python: str, env: dict[str, str], bpf: bytes | None) -> None:
-        self._argv_prefix = argv_prefix  # cgroup join + bubblewrap, in front of the interpreter
+    def __init__(self, argv_prefix: list[str], python: str, env: dict[str, str], bpf: bytes | None, cwd: str = "/",
+                 owned_dir: str | None = None) -> None:
+        self._argv_prefix = argv_prefix  # cgroup join (+ bubblewrap), in front of the interpreter
         self._python = python
         self._env = env
         self._bpf = bpf
+        self._cwd = cwd  # each run mounts its own tmpfs over it, in its own mount namespace
+        self._owned_dir = owned_dir  # removed by close()
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
 
@@ -87,7 +91,7 @@ class Zygote:
             argv = self._argv_prefix + [self._python, "-I", "-S", "-B", "-c", ZYGOTE, str(child.fileno()),
                                         "-" if bpf_r is None else str(bpf_r), BOOTSTRAP]
             self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,
-                                          env=self._env, cwd="/", start_new_session=True, close_fds=True,
+                                          env=self._env, cwd=self._cwd, start_new_session=True, close_fds=True,
                                           pass_fds=tuple(keep), umask=0o022)
             self._sock = parent
         except BaseException:
@@ -140,6 +144,16 @@ class Zygote:
             self.stop()
             raise RuntimeError("sandbox fork server died")
         return data
+
+    def close(self) -> None:
+        """Stop the server for good (``stop`` only stops the process; the next run would restart it)."""
+        self.stop()
+        if self._owned_dir is not None:
+            try:
+                os.rmdir(self._owned_dir)
+            except OSError:
+                pass
+            self._owned_dir = None
 
     def stop(self) -> None:
         if self._sock is not None:
