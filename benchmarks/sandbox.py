@@ -74,7 +74,7 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
         old = legacy.Sandbox(legacy.SandboxLimits(**limits), max_workers=1, cache_size=0)
         old.run("print(0)")
         old_start_s = time.perf_counter() - t0
-        # The fallback where bubblewrap is absent: a new interpreter per run, unsharing itself.
+        # The fallback where bubblewrap is absent: the host tree visible, the same bootstrap and fork server.
         direct = current.Sandbox(current.SandboxLimits(**limits), max_workers=1, cache_size=0, use_bwrap=False)
         direct.run("print(0)")
     times: dict[str, list[float]] = {"legacy": [], "current": [], "current_direct": []}
