@@ -472,3 +472,17 @@ def test_bubblewrap_failing_here_falls_back_and_says_why(monkeypatch) -> None:
     finally:
         cache.clear()
         cache.update(saved)
+
+
+def test_one_line_report_names_every_feature(box: Sandbox) -> None:
+    from lit_memopt.rewards.sandbox.probe import summary_line
+
+    line = summary_line(box.isolation)
+    assert "\n" not in line
+    on_part, _, rest = line.partition("; OFF: ")
+    for feature in FEATURES:
+        assert (feature in on_part.split("on: ", 1)[1].split(", ")) == bool(box.isolation[feature]), (feature, line)
+        if not box.isolation[feature]:
+            assert f"{feature} ({box.isolation['notes'][feature]}" in rest, (feature, line)
+    if not box.isolation["cgroup_memory"]:
+        assert "limited per process only: memory" in line

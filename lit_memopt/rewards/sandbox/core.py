@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
 import threading
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -90,8 +91,13 @@ class Verdict:
 
 
 def _rank_zero(kind: str, message: str) -> None:
-    # The functions lightning.pytorch.utilities re-exports (same rank state), without importing
-    # Lightning (slow): the sandbox is usable outside a Trainer.
+    # Inside a Trainer, Lightning's own functions (its logger is the one users see); otherwise the
+    # ones it builds on, without importing Lightning (slow): the sandbox is usable outside a Trainer.
+    if "lightning.pytorch" in sys.modules:
+        from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+        (rank_zero_warn if kind == "warn" else rank_zero_info)(message)
+        return
     from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
     if getattr(rank_zero_only, "rank", None) is not None:
