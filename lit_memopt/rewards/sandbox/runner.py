@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
 import shutil
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -53,7 +53,7 @@ class RunSpec:
     wall_time_s: float
     cpu_time_s: float
     group: SlotGroup | None = None
-    zygote: Zygote | None = None  # the slot's fork server (bubblewrap launcher); None: a new process per run
+    zygote: Zygote | None = None  # the slot's fork server; None: a new interpreter per run
     probe: bool = False
 
 
@@ -214,8 +214,8 @@ def _kill_pid(pid: int) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    # bwrap: its init dies with it (--die-with-parent), and with the init the PID namespace.
-    # direct: the ns-init has PR_SET_PDEATHSIG; the process group covers the no-PID-namespace case.
+    # A new interpreter per run: its ns-init has PR_SET_PDEATHSIG (the PID namespace dies with it);
+    # the process group covers the no-PID-namespace case.
     for kill in (os.killpg, os.kill):
         try:
             kill(proc.pid, signal.SIGKILL)
