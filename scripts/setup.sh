@@ -10,6 +10,20 @@ VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 
+# The code sandbox (lit_memopt.rewards.sandbox) uses bubblewrap for namespaces and the minimal filesystem and
+# libseccomp for its syscall filter. Installed when apt is there and we may use it; otherwise the sandbox
+# falls back to its own launcher and says at start which isolation features are off.
+have_libseccomp() { ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1; }
+if ! command -v bwrap >/dev/null 2>&1 || ! have_libseccomp; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing bubblewrap and libseccomp2 (apt)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap libseccomp2; } \
+      || echo "[setup] warning: apt-get could not install bubblewrap/libseccomp2; the sandbox will report what is off" >&2
+  else
+    echo "[setup] note: bubblewrap/libseccomp2 not installed (needs root and apt-get); the sandbox will report what is off" >&2
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi

@@ -32,9 +32,23 @@ def sandbox():
     box.close()
 
 
+def _fork_servers(box: Sandbox) -> set[int]:
+    """The slots' fork servers (bubblewrap and the zygote under it): resident by design, never a run's leftover."""
+    pids = set()
+    for zygote in getattr(box, "_zygotes", []):
+        proc = zygote._proc
+        if proc is not None and proc.poll() is None:
+            pids.add(proc.pid)
+            if psutil.Process(proc.pid).name() == "bwrap":  # the server itself runs under bubblewrap
+                pids.update(c.pid for c in psutil.Process(proc.pid).children())
+    return pids
+
+
 def _sandbox_processes(box: Sandbox) -> list[psutil.Process]:
     """Live processes this test could have left: children of the test process, or owned by a slot uid."""
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in _PREEXISTING and _alive(p)]
+    servers = _fork_servers(box)
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in _PREEXISTING and p.pid not in servers and _alive(p)]
     if box.isolation["uid"]:
         uids = {_child_uid(slot) for slot in range(box.max_workers)}
         for proc in psutil.process_iter(["uids"]):

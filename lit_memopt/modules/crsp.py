@@ -119,6 +119,7 @@ class CRSPModule(pl.LightningModule):
         alpha_breakpoints: ``[(progress, alpha_s, alpha_c), ...]`` (``None``: the CRSP defaults).
         normalizer_eps: added to each role's running reward std.
         sandbox_wall_time_s, sandbox_cpu_time_s, sandbox_memory_mb, sandbox_workers: sandbox limits.
+        sandbox_require: isolation features training must not start without (``Sandbox(require=...)``).
         max_output_chars: executed outputs longer than this make a proposal invalid.
         gradient_clip_val: global-norm clip applied in the manual step (``None``: off).
         role_adapters: one LoRA adapter per role.
@@ -166,6 +167,7 @@ class CRSPModule(pl.LightningModule):
         sandbox_cpu_time_s: float = 2.0,
         sandbox_memory_mb: int = 512,
         sandbox_workers: int = 4,
+        sandbox_require: Sequence[str] | str = (),
         max_output_chars: int = 200,
         gradient_clip_val: float | None = 1.0,
         role_adapters: bool = False,
@@ -221,7 +223,8 @@ class CRSPModule(pl.LightningModule):
         if self.sandbox is None:
             hp = self.hparams
             self.sandbox = Sandbox(SandboxLimits(wall_time_s=hp.sandbox_wall_time_s, cpu_time_s=hp.sandbox_cpu_time_s,
-                                                 memory_mb=hp.sandbox_memory_mb), max_workers=int(hp.sandbox_workers))
+                                                 memory_mb=hp.sandbox_memory_mb), max_workers=int(hp.sandbox_workers),
+                                   require=hp.get("sandbox_require", ()))
         if stage == "fit":
             clip = getattr(self.trainer, "gradient_clip_val", None) if self._trainer is not None else None
             if clip is not None:
