@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_oom_recovery import _OOMInBackward  # the OOM in the middle of backward (memory_budget)
 
 WORLD = 2
 DIM, HIDDEN, N_SAMPLES, BATCH = 6, 16, 64, 8
@@ -30,21 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _OOMInBackward(torch.autograd.Function):
-    """Identity whose backward allocates under a zero budget: a real OOM in the middle of backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        from lit_memopt.memory import memory_budget
-
-        with memory_budget(0):
-            return grad * 1.0
 
 
 def _build_module(kind: str, plan: dict, accumulate: int):  # noqa: ANN202 - classes live in the worker (spawn)
