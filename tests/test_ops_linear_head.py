@@ -66,19 +66,19 @@ def grads_of(out, inputs, seed=1):
 
 OPS = {
     "logprobs": (
-        lambda h, w, b, t, T, c: linear_logprobs(h, w, t, bias=b, temperature=T, chunk_size=c),
+        lambda h, w, b, t, T, c, **kw: linear_logprobs(h, w, t, bias=b, temperature=T, chunk_size=c, **kw),
         lambda h, w, b, t, T: ref_logprobs(h, w, t, b, T),
     ),
     "entropy": (
-        lambda h, w, b, t, T, c: linear_entropy(h, w, bias=b, temperature=T, chunk_size=c),
+        lambda h, w, b, t, T, c, **kw: linear_entropy(h, w, bias=b, temperature=T, chunk_size=c, **kw),
         lambda h, w, b, t, T: ref_entropy(h, w, b, T),
     ),
     "self_certainty": (
-        lambda h, w, b, t, T, c: linear_self_certainty(h, w, bias=b, temperature=T, chunk_size=c),
+        lambda h, w, b, t, T, c, **kw: linear_self_certainty(h, w, bias=b, temperature=T, chunk_size=c, **kw),
         lambda h, w, b, t, T: ref_self_certainty(h, w, b, T),
     ),
     "logprobs_and_entropy": (
-        lambda h, w, b, t, T, c: torch.stack(linear_logprobs_and_entropy(h, w, t, bias=b, temperature=T, chunk_size=c)),
+        lambda h, w, b, t, T, c, **kw: torch.stack(linear_logprobs_and_entropy(h, w, t, bias=b, temperature=T, chunk_size=c, **kw)),
         lambda h, w, b, t, T: torch.stack(
             [ref_logprobs(h, w, t, b, T), torch.where(t != IGNORE, ref_entropy(h, w, b, T), 0.0)]
         ),
@@ -169,7 +169,7 @@ def test_gradcheck_float64(name):
 def test_bf16_inputs_within_bf16_tolerance(name):
     fused, ref = OPS[name]
     hidden, weight, b, targets = make(shape=(4, 6), hidden_size=32, vocab=101, dtype=torch.bfloat16, bias=True)
-    out = fused(hidden, weight, b, targets, 1.0, (5, 16))
+    out = fused(hidden, weight, b, targets, 1.0, (5, 16), precision="exact")
     assert out.dtype == torch.float32
     expected = ref(hidden, weight, b, targets, 1.0)  # exact maths on the same bf16 values
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
@@ -356,7 +356,7 @@ def test_non_contiguous_weight_and_bf16_single_tile():
     ref_logprobs(hidden, weight_t.t(), targets, b).float().sum().backward()
     torch.testing.assert_close(g, weight_t.grad, rtol=1e-4, atol=1e-5)
     h16, w16, _, t16 = make(dtype=torch.bfloat16)
-    out16 = linear_entropy(h16, w16)  # automatic tiles: one row tile, bf16 weight-gradient tile
+    out16 = linear_entropy(h16, w16, precision="exact")  # automatic tiles: one row tile, bf16 weight-gradient tile
     out16.sum().backward()
     w_ref = w16.detach().clone().requires_grad_()
     ref_entropy(h16.detach(), w_ref).float().sum().backward()
@@ -420,11 +420,11 @@ def test_many_row_super_blocks_match_reference(name, dtype):
     if name == "kl":
         ref_h = (hidden.detach().float() + 0.3 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(4))).to(dtype)
         ref_w = (weight.detach().float() * 0.9).to(dtype)
-        out = linear_kl(hidden, weight, ref_h, ref_w, temperature=temperature, chunk_size=(row_tile, vocab_tile))
+        out = linear_kl(hidden, weight, ref_h, ref_w, temperature=temperature, chunk_size=(row_tile, vocab_tile), precision="exact")
         expected = ref_kl(hidden, weight, ref_h, ref_w, temperature)
     else:
         fused, ref = OPS[name]
-        out = fused(hidden, weight, b, targets, temperature, (row_tile, vocab_tile))
+        out = fused(hidden, weight, b, targets, temperature, (row_tile, vocab_tile), precision="exact")
         expected = ref(hidden, weight, b, targets, temperature)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
@@ -444,7 +444,7 @@ def test_bf16_weight_with_temperature_is_scaled_in_fp32() -> None:
     weight = torch.randn(300, 32).bfloat16()
     from lit_memopt.ops import linear_entropy
 
-    got = linear_entropy(hidden, weight, temperature=0.7, chunk_size=(16, 64))
+    got = linear_entropy(hidden, weight, temperature=0.7, chunk_size=(16, 64), precision="exact")
     z = (hidden.double() @ weight.double().T) / 0.7
     want = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)

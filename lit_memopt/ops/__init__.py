@@ -11,6 +11,7 @@ _EXPORTS = {
     "linear_logprobs_and_entropy": ".linear_head",
     "linear_self_certainty": ".linear_head",
     "linear_kl": ".linear_head",
+    "linear_cross_entropy": ".cross_entropy",
     "topk_gumbel_softmax": ".gumbel",
     "soft_embedding": ".gumbel",
     "tr_rpg_loss": ".losses",

@@ -4,7 +4,7 @@ PPO/GRPO clipped surrogate with a k3 KL penalty."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -118,6 +118,33 @@ def tr_rpg_loss(
     return _masked_mean(per_position, mask)
 
 
+LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def _check_number(name: str, value: object, *, lower: float, strict: bool) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (value <= lower if strict else value < lower):
+        raise ValueError(f"`{name}` must be a finite number {'>' if strict else '>='} {lower:g}, got {value!r}")
+    return float(value)
+
+
+def _aggregate(per_token: Tensor, mask: Optional[Tensor], loss_type: str, num_items_in_batch: Optional[float],
+               max_completion_length: Optional[int]) -> Tensor:
+    """Reduce per-token losses the way each GRPO variant does (see :func:`ppo_clip_loss`)."""
+    m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+    total = (per_token * m).sum()
+    if loss_type == "grpo" and per_token.dim() == 2:
+        # mean over each sequence's own tokens, then over sequences
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
+    if loss_type == "dr_grpo":
+        length = max_completion_length if max_completion_length is not None else (per_token.shape[-1] if per_token.dim() == 2 else 1)
+        return total / (per_token.shape[0] * length)
+    if num_items_in_batch is not None:  # bnpo / dapo over a batch larger than this call sees
+        return total / num_items_in_batch
+    return total / m.sum().clamp_min(1.0)
+
+
 def ppo_clip_loss(
     logp_new: Tensor,
     logp_old: Tensor,
@@ -127,54 +154,105 @@ def ppo_clip_loss(
     mask: Optional[Tensor] = None,
     ref_logp: Optional[Tensor] = None,
     kl_coef: float = 0.0,
-) -> Tensor:
-    """PPO / GRPO clipped surrogate with an optional k3 KL penalty, averaged over valid tokens.
+    clip_eps_high: Optional[float] = None,
+    loss_type: str = "bnpo",
+    importance_sampling_level: str = "token",
+    num_items_in_batch: Optional[Union[int, float, Tensor]] = None,
+    max_completion_length: Optional[int] = None,
+    return_metrics: bool = False,
+) -> Union[Tensor, tuple[Tensor, dict[str, Tensor]]]:
+    """PPO / GRPO clipped surrogate with an optional k3 KL penalty and the usual GRPO variants.
 
-    Per token: ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` with ``r = exp(logp_new - logp_old)``,
+    Per token: ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` with ``r = exp(logp_new - logp_old)``,
     plus ``kl_coef * (exp(ref - new) - (ref - new) - 1)``, the non-negative, low-variance "k3"
-    estimator of KL(pi || pi_ref). The result is the mean over all valid tokens of the batch
-    (token-mean aggregation).
+    estimator of KL(pi || pi_ref).
 
     Args:
         logp_new: ``[B, T]`` (or ``[B]``) log-probs under the current policy.
         logp_old: same shape, under the sampling policy (constant).
         advantages: ``[B]`` (one per sequence, broadcast over tokens) or ``logp_new``'s shape (constant).
-        clip_eps: clip range, ``> 0``.
+        clip_eps: lower clip range ``eps_low`` (and the upper one unless ``clip_eps_high`` is given), ``> 0``.
         mask: optional ``logp_new``-shaped bool/0-1 tensor of tokens that count.
         ref_logp: reference-policy log-probs, ``logp_new``'s shape (constant); required when ``kl_coef > 0``.
         kl_coef: weight of the k3 KL term, ``>= 0``.
+        clip_eps_high: upper clip range ``eps_high`` (DAPO's clip-higher), ``> 0``; ``None`` means ``clip_eps``.
+        loss_type: how token losses become one number: ``"bnpo"`` (default; mean over the counted
+            tokens of the batch), ``"grpo"`` (mean per sequence, then over sequences), ``"dr_grpo"``
+            (sum over ``B * max_completion_length``), ``"dapo"`` (sum over ``num_items_in_batch``,
+            the counted tokens of the whole global batch; the local count when not given).
+        importance_sampling_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO: one ratio per
+            sequence, ``exp(mean_t(logp_new - logp_old))`` over its counted tokens).
+        num_items_in_batch: counted tokens across all micro-batches and ranks (``"bnpo"``/``"dapo"``), ``> 0``.
+        max_completion_length: the ``"dr_grpo"`` constant; default ``logp_new.shape[-1]``.
+        return_metrics: also return detached metrics: ``clip_ratio``, ``clip_ratio_low``,
+            ``clip_ratio_high`` (fractions of counted tokens whose gradient the clip removes),
+            ``ratio_mean`` and, with ``ref_logp``, ``kl`` (mean k3 over counted tokens).
 
     Returns:
-        A scalar (fp32, or float64 for float64 inputs).
+        A scalar (fp32, or float64 for float64 inputs); ``(loss, metrics)`` with ``return_metrics``.
 
     Raises:
-        TypeError, ValueError: bad shapes, dtypes, devices, ``clip_eps <= 0``, ``kl_coef < 0``, or
-        ``kl_coef > 0`` without ``ref_logp``.
+        TypeError, ValueError: bad shapes, dtypes, devices, clip ranges, ``kl_coef < 0``, ``kl_coef > 0``
+        without ``ref_logp``, an unknown ``loss_type`` / ``importance_sampling_level``, or
+        ``num_items_in_batch`` with ``"grpo"`` / ``"dr_grpo"``.
 
     Example::
 
-        loss = ppo_clip_loss(logp, old_logp, adv, mask=completion_mask, ref_logp=ref, kl_coef=0.04)
+        loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask=completion_mask, clip_eps_high=0.28,
+                                      loss_type="dapo", num_items_in_batch=tokens_in_step, return_metrics=True)
     """
     _check_logps("logp_new", logp_new)
     _check_logps("logp_old", logp_old, like=logp_new)
     advantages = _check_per_sequence_or_token("advantages", advantages, logp_new)
     mask = _check_mask(mask, logp_new)
-    if isinstance(clip_eps, bool) or not isinstance(clip_eps, (int, float)) or not clip_eps > 0:
-        raise ValueError(f"`clip_eps` must be a number > 0, got {clip_eps!r}")
-    if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not math.isfinite(kl_coef) or kl_coef < 0:
-        raise ValueError(f"`kl_coef` must be a finite number >= 0, got {kl_coef!r}")
+    eps_low = _check_number("clip_eps", clip_eps, lower=0.0, strict=True)
+    eps_high = eps_low if clip_eps_high is None else _check_number("clip_eps_high", clip_eps_high, lower=0.0, strict=True)
+    kl_coef = _check_number("kl_coef", kl_coef, lower=0.0, strict=False)
     if ref_logp is not None:
         _check_logps("ref_logp", ref_logp, like=logp_new)
     elif kl_coef > 0:
         raise ValueError("`ref_logp` is required when `kl_coef` > 0 (the KL penalty needs reference log-probs)")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if importance_sampling_level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"`importance_sampling_level` must be one of {IMPORTANCE_LEVELS}, got {importance_sampling_level!r}")
+    if num_items_in_batch is not None:
+        if loss_type in ("grpo", "dr_grpo"):
+            raise ValueError(f"`num_items_in_batch` applies to loss_type 'bnpo' or 'dapo', not {loss_type!r}")
+        if isinstance(num_items_in_batch, Tensor):
+            num_items_in_batch = float(num_items_in_batch.item())
+        num_items_in_batch = _check_number("num_items_in_batch", num_items_in_batch, lower=0.0, strict=True)
+    if max_completion_length is not None and (isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int) or max_completion_length < 1):
+        raise ValueError(f"`max_completion_length` must be an int >= 1, got {max_completion_length!r}")
 
     dtype = _compute_dtype(logp_new)
     new = logp_new.to(dtype)
     adv = advantages.detach().to(dtype)
-    ratio = (new - logp_old.detach().to(dtype)).exp()
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv)
-    per_token = -surrogate
-    if ref_logp is not None and kl_coef > 0:
+    log_ratio = new - logp_old.detach().to(dtype)
+    if importance_sampling_level == "sequence" and new.dim() == 2:
+        m = torch.ones_like(new) if mask is None else mask.to(dtype)
+        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1.0))
+    ratio = log_ratio.exp()
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+    per_token = -surrogate.expand_as(new) if surrogate.shape != new.shape else -surrogate
+    k3 = None
+    if ref_logp is not None:
         log_ref_ratio = ref_logp.detach().to(dtype) - new
-        per_token = per_token + kl_coef * (log_ref_ratio.exp() - log_ref_ratio - 1.0)
-    return _masked_mean(per_token, mask)
+        k3 = log_ref_ratio.exp() - log_ref_ratio - 1.0
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * k3
+    loss = _aggregate(per_token, mask, loss_type, num_items_in_batch, max_completion_length)
+    if not return_metrics:
+        return loss
+    with torch.no_grad():
+        r = ratio.expand_as(new)
+        a = adv.expand_as(new)
+        metrics = {
+            "clip_ratio_low": _masked_mean(((r < 1.0 - eps_low) & (a < 0)).to(dtype), mask),
+            "clip_ratio_high": _masked_mean(((r > 1.0 + eps_high) & (a > 0)).to(dtype), mask),
+            "ratio_mean": _masked_mean(r, mask),
+        }
+        metrics["clip_ratio"] = metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
+        if k3 is not None:
+            metrics["kl"] = _masked_mean(k3.detach(), mask)
+    return loss, metrics

@@ -1,0 +1,301 @@
+"""Argument checks, tile planning and tile casting for the fused LM-head ops (``linear_head.py``).
+
+Everything that decides *how* a head pass runs lives here: which dtype the tile matmuls use
+(the ``precision`` choice), how big the tiles are, and how a hidden/weight tile becomes a
+logits tile with ``logit_scale``, ``final_logit_softcapping`` and ``temperature`` applied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+ChunkSize = Optional[Union[int, Sequence[int]]]
+PRECISIONS = ("auto", "exact", "fast")
+
+# Automatic tiling keeps every temporary (a logits tile, an fp32 weight tile, an fp32 hidden tile)
+# at most this many elements, but never less than the floor: tiny problems then run in one tile.
+MAX_TILE_ELEMENTS = 1 << 23  # 32 MiB in fp32
+MIN_TILE_ELEMENTS = 1 << 18
+# Tiles bigger than this are rounded down to a multiple of it, which matmul kernels prefer.
+TILE_ALIGN = 128
+# On CUDA no tile may take more than this fraction of the currently free memory.
+CUDA_FREE_FRACTION = 16
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def is_fake(t: Tensor) -> bool:
+    """Fake and meta tensors carry no values, so value checks and data-dependent shapes are skipped."""
+    if t.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return bool(_is_fake(t))
+
+
+def check_float(name: str, t: object, min_dim: int) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"`{name}` must be a floating-point tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    if t.dim() < min_dim:
+        raise ValueError(f"`{name}` must have at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same_device(reference: Tensor, **tensors: Optional[Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(f"`{name}` is on {t.device} but `hidden` is on {reference.device}; move them to one device")
+
+
+def check_weight_pair(hidden_name: str, hidden: Tensor, weight_name: str, weight: Tensor) -> None:
+    check_float(hidden_name, hidden, 1)
+    check_float(weight_name, weight, 2)
+    if weight.dim() != 2:
+        raise ValueError(f"`{weight_name}` must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"`{weight_name}` must have at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"`{weight_name}` has hidden size {weight.shape[1]} but `{hidden_name}` has {hidden.shape[-1]} "
+            f"(shapes {tuple(weight.shape)} and {tuple(hidden.shape)}); expected {weight_name}[V, H] and {hidden_name}[..., H]"
+        )
+
+
+def check_bias(name: str, bias: Optional[Tensor], vocab: int) -> None:
+    if bias is None:
+        return
+    check_float(name, bias, 1)
+    if bias.shape != (vocab,):
+        raise ValueError(f"`{name}` must have shape ({vocab},) to match the head weight, got {tuple(bias.shape)}")
+
+
+def check_positive(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:
+    """A finite number > 0 (a one-element tensor is accepted); ``None`` where ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"`{name}` must be a positive scalar, got a tensor of shape {tuple(value.shape)}")
+        value = float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a positive float{' or None' if allow_none else ''}, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a finite number > 0{' or None' if allow_none else ''}, got {value}")
+    return float(value)
+
+
+def check_targets(targets: object, hidden: Tensor, vocab: int, ignore_index: int) -> Tensor:
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"`targets` must be a torch.Tensor of token ids, got {type(targets).__name__}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"`targets` must be an integer tensor (e.g. torch.long), got {targets.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"`targets` must have shape {tuple(hidden.shape[:-1])} (the leading dims of `hidden` {tuple(hidden.shape)}), "
+            f"got {tuple(targets.shape)}"
+        )
+    if targets.device != hidden.device:
+        raise ValueError(f"`targets` is on {targets.device} but `hidden` is on {hidden.device}; move them to one device")
+    if targets.numel() and not is_fake(targets):
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+        if bool(bad.any()):
+            first = targets[bad].flatten()[0].item()
+            raise ValueError(f"`targets` must be in [0, {vocab}) or equal ignore_index={ignore_index}; found {first}")
+    return targets
+
+
+def check_mask(mask: object, hidden: Tensor) -> Optional[Tensor]:
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"`mask` must be a bool (or 0/1 integer) tensor marking the rows that count, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    if mask.shape != hidden.shape[:-1]:
+        raise ValueError(f"`mask` must have shape {tuple(hidden.shape[:-1])} (the leading dims of `hidden`), got {tuple(mask.shape)}")
+    if mask.device != hidden.device:
+        raise ValueError(f"`mask` is on {mask.device} but `hidden` is on {hidden.device}; move them to one device")
+    return mask.bool()
+
+
+# --------------------------------------------------------------------------------------------
+# planning: precision and tile sizes
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_precision(precision: object, *tensors: Optional[Tensor]) -> bool:
+    """Whether tile matmuls run in the inputs' low-precision dtype (``"fast"``) or in fp32 (``"exact"``).
+
+    ``"auto"`` picks ``"fast"`` when every head tensor is bf16 (or every one fp16): on CUDA the tile
+    product then accumulates into fp32 logits at tensor-core speed (``torch.mm(..., out_dtype=float32)``);
+    on the CPU the tile comes out in the inputs' dtype, i.e. logits rounded to bf16 exactly as
+    every full-logits implementation in bf16 rounds them, with the softmax statistics kept in fp32.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {PRECISIONS}, got {precision!r}")
+    dtypes = {t.dtype for t in tensors if t is not None}
+    uniform_low = len(dtypes) == 1 and next(iter(dtypes)) in _LOW_PRECISION
+    return precision != "exact" and uniform_low
+
+
+def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """Pick ``(row_tile, vocab_tile)``: explicit when given, else from the shapes and free memory."""
+    if chunk_size is not None:
+        if isinstance(chunk_size, int) and not isinstance(chunk_size, bool):
+            row_tile = vocab_tile = chunk_size
+        elif isinstance(chunk_size, Sequence) and len(chunk_size) == 2 and all(
+            isinstance(c, int) and not isinstance(c, bool) for c in chunk_size
+        ):
+            row_tile, vocab_tile = chunk_size
+        else:
+            raise TypeError(
+                f"`chunk_size` must be None (automatic), an int, or a (row_tile, vocab_tile) pair of ints, got {chunk_size!r}"
+            )
+        if row_tile < 1 or vocab_tile < 1:
+            raise ValueError(f"`chunk_size` entries must be >= 1, got {chunk_size!r}")
+        return row_tile, vocab_tile
+
+    # Budget: about the size of `hidden` itself, clamped to a fixed window so that huge batches
+    # still tile finely and tiny ones run in a single tile.
+    budget = min(max(rows * hidden_size, MIN_TILE_ELEMENTS), MAX_TILE_ELEMENTS)
+    if device.type == "cuda" and torch.cuda.is_available():
+        try:
+            free_bytes, _ = torch.cuda.mem_get_info(device)
+            budget = min(budget, max(free_bytes // (4 * CUDA_FREE_FRACTION), 1 << 14))
+        except RuntimeError:  # fake/meta device contexts cannot query the allocator
+            pass
+
+    def align(n: int) -> int:
+        return n if n <= TILE_ALIGN else n - n % TILE_ALIGN
+
+    row_tile = align(max(1, min(rows, budget // hidden_size)))
+    # A vocab tile is bounded both as a logits tile [row_tile, vocab_tile] and as a weight tile [vocab_tile, H].
+    vocab_tile = align(max(1, min(vocab, budget // max(row_tile, 1), budget // hidden_size)))
+    return max(row_tile, 1), max(vocab_tile, 1)
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``z = softcap(raw * logit_scale) / temperature`` with ``softcap(s) = cap * tanh(s / cap)``,
+    where ``raw = hidden @ weight.T + bias``. Scaling is applied to fp32 logits tiles, never to a
+    low-precision weight tile (which would round ``W * scale`` to bf16)."""
+
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    inv_temperature: float = 1.0
+
+    @property
+    def linear_scale(self) -> float:
+        """``dz/draw`` when there is no softcap (the whole transform is one multiplication)."""
+        return self.logit_scale * self.inv_temperature
+
+    def apply_(self, raw: Tensor) -> Tensor:
+        """Turn a raw logits tile into ``z`` in place."""
+        if self.softcap is None:
+            return raw if self.linear_scale == 1.0 else raw.mul_(self.linear_scale)
+        return raw.mul_(self.logit_scale / self.softcap).tanh_().mul_(self.softcap * self.inv_temperature)
+
+    def chain_(self, grad_z: Tensor, z: Optional[Tensor], scratch: Optional[Tensor]) -> Tensor:
+        """``d/draw`` from ``d/dz`` in place; ``z`` (the unmodified logits tile) is needed with a softcap."""
+        if self.softcap is None:
+            return grad_z if self.linear_scale == 1.0 else grad_z.mul_(self.linear_scale)
+        # dz/draw = logit_scale / T * (1 - tanh^2), and tanh = z * T / cap
+        tanh = torch.mul(z, 1.0 / (self.softcap * self.inv_temperature), out=scratch)
+        slope = tanh.square_().neg_().add_(1.0)
+        return grad_z.mul_(slope).mul_(self.linear_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# tiles
+# --------------------------------------------------------------------------------------------
+
+
+class TileWorkspace:
+    """Tile buffers allocated once per pass and reused by every tile.
+
+    Allocating a fresh multi-megabyte tile per step costs page faults on the CPU and allocator
+    traffic on CUDA; reusing flat buffers (viewed to each tile's shape) avoids both.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, capacity: int, dtype: torch.dtype) -> Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < rows * cols:
+            buf = self._buffers[name] = torch.empty(max(capacity, rows * cols), dtype=dtype, device=self.device)
+        return buf[: rows * cols].view(rows, cols)
+
+
+class TileMath:
+    """Casting and matmuls of one pass: operand tiles in ``matmul_dtype`` and logits, statistics and
+    gradient accumulators in ``stat_dtype`` (fp32, float64 for float64 inputs)."""
+
+    def __init__(self, stat_dtype: torch.dtype, matmul_dtype: torch.dtype, device: torch.device,
+                 transform: LogitTransform, row_tile: int, vocab_tile: int, rows: int, vocab: int) -> None:
+        self.stat_dtype, self.matmul_dtype, self.transform = stat_dtype, matmul_dtype, transform
+        self.ws = TileWorkspace(device)
+        self.row_tile, self.vocab_tile = row_tile, vocab_tile
+        self.logits_capacity = min(row_tile, max(rows, 1)) * min(vocab_tile, vocab)
+        self.fast = matmul_dtype != stat_dtype
+        # CUDA multiplies bf16/fp16 operands into fp32 outputs directly (tensor cores, fp32 accumulation).
+        self.fp32_out = self.fast and device.type == "cuda"
+
+    def operand(self, name: str, src: Tensor, capacity_rows: int) -> Tensor:
+        """``src`` in the matmul dtype; a view (no copy) when it already is."""
+        if src.dtype == self.matmul_dtype:
+            return src
+        out = self.ws.get(name, src.shape[0], src.shape[1], capacity_rows * src.shape[1], self.matmul_dtype)
+        return out.copy_(src)
+
+    def stat_buffer(self, name: str, rows: int, cols: int) -> Tensor:
+        return self.ws.get(name, rows, cols, self.logits_capacity, self.stat_dtype)
+
+    def logits(self, name: str, h: Tensor, w: Tensor, bias: Optional[Tensor], v0: int, v1: int) -> Tensor:
+        """The transformed logits tile ``z`` of rows ``h`` and vocabulary rows ``w`` = ``W[v0:v1]``."""
+        rows, cols = h.shape[0], w.shape[0]
+        out = self.stat_buffer(name, rows, cols)
+        if not self.fast:
+            torch.mm(h, w.t(), out=out)
+        elif self.fp32_out:
+            out.copy_(torch.mm(h, w.t(), out_dtype=torch.float32))
+        else:
+            low = self.ws.get(name + "_low", rows, cols, self.logits_capacity, self.matmul_dtype)
+            out.copy_(torch.mm(h, w.t(), out=low))
+        if bias is not None:
+            out.add_(bias[v0:v1])  # added in the statistics dtype: no bf16 rounding of the sum
+        return self.transform.apply_(out)
+
+    def grad_operand(self, grad_logits: Tensor) -> Tensor:
+        """A logit-gradient tile as a matmul operand (cast once, used for both the hidden and weight products)."""
+        if not self.fast:
+            return grad_logits
+        low = self.ws.get("grad_low", grad_logits.shape[0], grad_logits.shape[1], self.logits_capacity, self.matmul_dtype)
+        return low.copy_(grad_logits)
+
+    def accumulate(self, name: str, acc: Tensor, a: Tensor, b: Tensor, *, overwrite: bool) -> None:
+        """``acc (+)= a @ b`` for operands ``a``, ``b`` in the matmul dtype and ``acc`` in the statistics dtype."""
+        if not self.fast:
+            if overwrite:
+                torch.mm(a, b, out=acc)
+            else:
+                acc.addmm_(a, b)
+            return
+        if self.fp32_out:
+            product = torch.mm(a, b, out_dtype=torch.float32)
+        else:
+            product = torch.mm(a, b, out=self.ws.get(name, acc.shape[0], acc.shape[1], acc.numel(), self.matmul_dtype))
+        if overwrite:
+            acc.copy_(product)
+        else:
+            acc.add_(product)
