@@ -25,7 +25,7 @@ def test_embedded_recipe_self_certainty_rises(tmp_path: Path) -> None:
     pl.seed_everything(0)
     objects = cli.instantiate_run(cfg)
     module = objects.module
-    assert isinstance(module, IntuitorModule) and module.summary_keys == ("train/self_certainty", "train/kl")
+    assert isinstance(module, IntuitorModule) and module.summary_keys == ("train/self_certainty", "train/kl", "val/accuracy", "val/self_certainty")
     datamodule = objects.datamodule
     datamodule.setup("fit")
     held_out = next(iter(datamodule.val_dataloader()))
