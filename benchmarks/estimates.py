@@ -60,7 +60,7 @@ def compose(overrides: list[str]) -> Any:
 
 def estimate_case(label: str, overrides: list[str]) -> dict[str, Any]:
     """One recipe's estimate as a JSON-ready dict (``error`` set when it could not be estimated)."""
-    from lit_memopt.memory.estimate import estimate_recipe
+    from lit_memopt.cli_estimate import estimate_recipe
 
     started = time.perf_counter()
     entry: dict[str, Any] = {"label": label, "overrides": overrides}

@@ -218,8 +218,11 @@ class RunObjects(NamedTuple):
     logger: Any
 
 
-def instantiate_run(cfg: Any) -> RunObjects:
+def instantiate_run(cfg: Any, *, prepare_model_config: Callable[[Any], Any] | None = None) -> RunObjects:
     """Build model config, tokenizer, data, module, callbacks and logger from a composed config.
+
+    ``prepare_model_config`` (``lit-memopt estimate``) replaces the model config the module is built
+    from, e.g. by one that builds fake weights.
 
     Objects are passed to the targets after instantiation (``_partial_``): Hydra would otherwise
     turn a dataclass argument such as ``ModelConfig`` back into a config node.
@@ -230,6 +233,8 @@ def instantiate_run(cfg: Any) -> RunObjects:
         raise UsageError("the config has no 'module' section; pick a recipe with recipe=NAME.")
     model_config = instantiate(cfg.model)
     tokenizer = model_config.build_tokenizer()
+    if prepare_model_config is not None:
+        model_config = prepare_model_config(model_config)
     # _convert_="all": plain lists and dicts, so saved hyper-parameters load with torch.load(weights_only=True)
     datamodule = instantiate(cfg.data, _partial_=True, _convert_="all")(tokenizer=tokenizer)
     module = instantiate(cfg.module, _partial_=True, _convert_="all")(model_config=model_config, tokenizer=tokenizer)
@@ -341,7 +346,7 @@ def _make_task(command: str, relaunch_argv: list[str]) -> Callable[[Any], Any]:
         sys.argv = relaunch_argv
         try:
             if command == "estimate":
-                from lit_memopt.memory.estimate import run_estimate_command
+                from lit_memopt.cli_estimate import run_estimate_command
 
                 return run_estimate_command(cfg)
             return _run_training(cfg, command)

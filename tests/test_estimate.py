@@ -209,7 +209,7 @@ def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys) -
     text = " ".join(out.split())
     found = re.search(
         r"Largest micro-batch that fits in 16.00 MiB with a 20% safety margin \(12.80 MiB usable\): (\d+) "
-        r"\(peak ([0-9.]+) MiB; \d+ would need ([0-9.]+) MiB", text)
+        r"\(reserved peak ([0-9.]+) MiB; \d+ would need ([0-9.]+) MiB", text)
     assert found, out
     size, peak, next_peak = int(found.group(1)), float(found.group(2)), float(found.group(3))
     assert size > 2 and peak <= 12.8 < next_peak

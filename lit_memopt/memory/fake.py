@@ -1,7 +1,7 @@
 """Peak-memory measurement of any computation under fake tensors: real shapes, no memory, no GPU.
 
 ``fake_mode()`` makes every tensor created inside it a ``FakeTensor``; ``peak_during(fn)`` runs ``fn`` under PyTorch's ``MemTracker`` and reports the
-peak of live tensor bytes, what was already live when it started, and the difference.
+peak of live tensor bytes (with the pack's one tracker, ``memory.tracker.StepTracker``), what was already live when it started, and the difference.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lit_memopt.memory.tracker import StepTracker
+from lit_memopt.memory.tracker import snapshot_categories as _categories
+from lit_memopt.memory.tracker import snapshot_total as _total
 
 GIB = 1024**3
 
@@ -57,45 +61,6 @@ class PeakStats:
         return self.extra_bytes / GIB
 
 
-class _NoopHandle:
-    def remove(self) -> None:
-        pass
-
-
-def _frozen_aware_tracker():
-    """A ``MemTracker`` that tolerates frozen parameters (LoRA bases, reference and reward models).
-
-    PyTorch's tracker installs a gradient hook on every parameter of every module it meets, which
-    raises on a parameter that does not require grad. Pre-registering no-op handles for those
-    parameters makes it skip them; their bytes still count as parameters.
-    """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class FrozenAwareMemTracker(MemTracker):
-        def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):
-            if install_grad_hooks:
-                for param in module.parameters():
-                    if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                        self._param_to_grad_hook_handles[param] = (_NoopHandle(), _NoopHandle())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    return FrozenAwareMemTracker()
-
-
-def _total(snapshot: dict[torch.device, dict[Any, int]]) -> int:
-    return sum(int(per_device.get("Total", 0)) for per_device in snapshot.values())
-
-
-def _categories(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for per_device in snapshot.values():
-        for key, value in per_device.items():
-            name = str(getattr(key, "value", key))
-            if name != "Total":
-                out[name] = out.get(name, 0) + int(value)
-    return out
-
-
 def peak_during(
     fn: Callable[[], Any],
     *track: torch.nn.Module | torch.optim.Optimizer | torch.Tensor,
@@ -117,7 +82,7 @@ def peak_during(
                                 hidden, weight)
         print(stats.extra_gib)
     """
-    tracker = _frozen_aware_tracker()
+    tracker = StepTracker()
     if track:
         tracker.track_external(*track)
     with tracker:

@@ -1,0 +1,311 @@
+"""``lit-memopt estimate``: the predicted peak memory of one training step of a recipe, per rank, allocated and reserved.
+
+The recipe is built as ``lit-memopt fit`` builds it (:func:`lit_memopt.cli.instantiate_run`), except that the
+language models get fake weights. A decoder with more than 3 blocks is traced with 1, 2 and 3 blocks and
+extrapolated (``memory.blocks``); generation recipes are estimated at their worst case (``memory.worst_case``);
+``trainer=ddp``/``trainer=fsdp2`` turn the single-device numbers into per-rank ones (``memory.sharding``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lit_memopt.memory.batch import resize_batch
+from lit_memopt.memory.blocks import CHECK_BLOCKS, LinearityError, estimate_with_blocks
+from lit_memopt.memory.search import DEFAULT_SAFETY_MARGIN, BatchFit, largest_micro_batch, parse_memory_size
+from lit_memopt.memory.step import _BREAKDOWN_LABELS, EstimateError, PeakEstimate, _measure_on_cuda, estimate_peak, format_bytes
+
+__all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
+
+
+def _positive_int_or_none(cfg: Any, key: str) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _recipe_batch(datamodule: Any) -> Any:
+    """One training batch of a DataModule, as its DataLoader yields it."""
+    if hasattr(datamodule, "prepare_data"):
+        datamodule.prepare_data()
+    if hasattr(datamodule, "setup"):
+        datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    try:
+        return next(iter(loader))
+    except StopIteration:
+        raise ValueError(f"{type(datamodule).__name__}.train_dataloader() yielded no batch; check the data.* settings") from None
+
+
+@dataclass
+class EstimateReport:
+    """What ``lit-memopt estimate`` computed (also returned to the caller for scripting)."""
+
+    recipe: str
+    model: str
+    estimate: PeakEstimate
+    gpu_memory_bytes: int | None = None
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
+    fit: BatchFit | None = None
+    measured_peak_bytes: int | None = None
+    device: str = "cpu"
+    build_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["estimate"] = self.estimate.as_dict()
+        return out
+
+
+# ============================================================================ building the recipe with fake weights
+def block_count(model_config: Any) -> int | None:
+    """Decoder blocks the config builds (``None``: not known from the config, e.g. a local checkpoint)."""
+    if getattr(model_config, "pretrained", None) is not None:
+        return None
+    arch = getattr(model_config, "arch", None)
+    if isinstance(arch, dict) and isinstance(arch.get("num_hidden_layers"), int):
+        return int(arch["num_hidden_layers"])
+    value = getattr(model_config, "num_layers", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def with_blocks(model_config: Any, blocks: int) -> Any:
+    """A copy of ``model_config`` that builds ``blocks`` decoder blocks."""
+    arch = getattr(model_config, "arch", None)
+    if isinstance(arch, dict) and "num_hidden_layers" in arch:
+        out = copy.copy(model_config)
+        object.__setattr__(out, "arch", {**arch, "num_hidden_layers": blocks})
+        return out
+    return dataclasses.replace(model_config, num_layers=blocks)
+
+
+def with_fake_weights(model_config: Any) -> Any:
+    """A copy of ``model_config`` whose ``build_model`` makes the language model with fake weights.
+
+    Everything else the module builds (a small reward classifier GRADE trains at start, LoRA adapters)
+    stays real: a step that mixes the two converts the real tensors to fake ones on use.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    build_model = model_config.build_model
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake_build_model(*args: Any, apply_lora: bool = True, **kwargs: Any) -> Any:
+        lora = getattr(model_config, "lora", None)
+        with mode:
+            if lora:
+                model = build_model(*args, apply_lora=False, **kwargs)
+            else:
+                model = build_model(*args, **kwargs)
+        if lora and apply_lora:
+            # Adapters are small: peft creates them with real tensors next to the fake base weights.
+            model = model_config.apply_lora(model)
+        return model
+
+    out = copy.copy(model_config)
+    object.__setattr__(out, "build_model", fake_build_model)
+    return out
+
+
+def build_fake_run(cfg: Any, blocks: int | None) -> Any:
+    """``instantiate_run(cfg)`` with fake language-model weights and ``blocks`` blocks (``None``: as configured)."""
+    from lit_memopt.cli import instantiate_run
+
+    def prepare(model_config: Any) -> Any:
+        if not hasattr(model_config, "build_model"):
+            raise EstimateError(f"estimate: {type(model_config).__name__} has no build_model(); cannot build it with fake weights")
+        return with_fake_weights(model_config if blocks is None else with_blocks(model_config, blocks))
+
+    from omegaconf import OmegaConf, open_dict
+
+    # No logger or callbacks: an estimate trains nothing (and runs outside a Hydra run directory too).
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k not in ("logger", "callbacks", "hydra")])
+    with open_dict(cfg):
+        cfg.logger = None
+        cfg.callbacks = None
+    run = instantiate_run(cfg, prepare_model_config=prepare)
+    module = run.module
+    if callable(getattr(module, "configure_model", None)):
+        # Where modules build or shard their model (a no-op without a device mesh).
+        module.configure_model()
+    return run
+
+
+# ============================================================================ estimating
+def _options(cfg: Any) -> dict[str, Any]:
+    gpu_memory = cfg.get("gpu_memory")
+    margin = cfg.get("safety_margin")
+    margin = DEFAULT_SAFETY_MARGIN if margin is None else float(margin)
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"safety_margin must be in [0, 1), got {margin!r}")
+    check = cfg.get("check_linearity")
+    if check is not None and not isinstance(check, bool):
+        raise ValueError(f"check_linearity must be true or false, got {check!r}")
+    return {
+        "batch_size": _positive_int_or_none(cfg, "batch_size"),
+        "seq_len": _positive_int_or_none(cfg, "seq_len"),
+        "gpu_bytes": parse_memory_size(gpu_memory) if gpu_memory is not None else None,
+        "margin": margin,
+        "check": True if check is None else check,
+    }
+
+
+class _Estimator:
+    """One recipe's module (built once) and a cache of its estimates by batch size."""
+
+    def __init__(self, cfg: Any, check: bool) -> None:
+        self.cfg = cfg
+        self.check = check
+        self.notes: list[str] = []
+        from hydra.utils import instantiate
+
+        self.total_blocks = block_count(instantiate(cfg.model))
+        self.blocks = CHECK_BLOCKS if self.total_blocks is not None and self.total_blocks > CHECK_BLOCKS else None
+        self.run = build_fake_run(cfg, self.blocks)
+        self.cache: dict[int | None, PeakEstimate] = {}
+
+    def estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
+        if rows in self.cache:
+            return self.cache[rows]
+        kwargs = {"optimizer_foreach": True}  # the peak reported is a CUDA device's: foreach is its default
+        est = None
+        if self.blocks is not None:
+            try:
+                est = estimate_with_blocks(self.run.module, batch, self.total_blocks, built_blocks=self.blocks,
+                                           check=self.check if check is None else check, **kwargs)
+            except LinearityError as exc:
+                self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
+                self.blocks = None
+                self.run = build_fake_run(self.cfg, None)
+        if est is None:
+            est = estimate_peak(self.run.module, batch, **kwargs)
+            est.num_blocks = self.total_blocks
+        self.cache[rows] = est
+        return est
+
+
+def estimate_recipe(cfg: Any) -> EstimateReport:
+    """Everything ``lit-memopt estimate`` prints, without printing it."""
+    opts = _options(cfg)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    estimator = _Estimator(cfg, opts["check"])
+    batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
+    estimate = estimator.estimate(batch, None)
+    fit = None
+    if opts["gpu_bytes"] is not None:
+        if estimate.batch_size:
+            estimator.cache[estimate.batch_size] = estimate
+
+        def reserved_for(b: int) -> int:
+            # The search probes run without the linearity check: the recipe's batch was checked above.
+            est = estimator.estimate(resize_batch(batch, batch_size=b), b, check=False)
+            return int(est.reserved_peak_bytes or est.peak_bytes)
+
+        fit = largest_micro_batch(reserved_for, opts["gpu_bytes"], safety_margin=opts["margin"])
+    measured, device = None, "cpu"
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+        free, _ = torch.cuda.mem_get_info()
+        if estimate.peak_bytes < free:
+            from lit_memopt.cli import instantiate_run
+
+            measured = _measure_on_cuda(lambda: instantiate_run(cfg).module, batch, None)
+    model = estimator.run.model_config
+    return EstimateReport(
+        recipe=str(cfg.get("recipe_name") or "?"),
+        model=str(getattr(model, "name", "model")),
+        estimate=estimate,
+        gpu_memory_bytes=opts["gpu_bytes"],
+        safety_margin=opts["margin"],
+        fit=fit,
+        measured_peak_bytes=measured,
+        device=device,
+        build_seconds=time.perf_counter() - started,
+        cpu_seconds=time.process_time() - cpu_started,
+        notes=estimator.notes,
+    )
+
+
+# ============================================================================ printing
+def render_report(report: EstimateReport, console: Any = None) -> None:
+    """Print an :class:`EstimateReport` as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and READMEs: wide enough for module names
+            console = Console(width=110)
+    est = report.estimate
+    shape = f"{est.batch_size} × {est.seq_len} tokens" if est.seq_len else f"{est.batch_size} rows"
+    console.print(f"[bold]Predicted peak memory of one training step[/]: recipe={report.recipe} model={report.model}, batch {shape}")
+    table = Table()
+    table.add_column("at the peak", style="bold")
+    table.add_column("predicted", justify="right")
+    table.add_column("share", justify="right")
+    if report.measured_peak_bytes is not None:
+        table.add_column(f"measured ({report.device})", justify="right")
+    extra = [""] if report.measured_peak_bytes is not None else []
+    for key, label in _BREAKDOWN_LABELS.items():
+        value = est.breakdown.get(key, 0)
+        table.add_row(label, format_bytes(value), f"{100 * value / max(est.peak_bytes, 1):.0f}%", *extra)
+    table.add_section()
+    measured = [format_bytes(report.measured_peak_bytes)] if report.measured_peak_bytes is not None else []
+    table.add_row("peak (allocated)", format_bytes(est.peak_bytes), "100%", *measured, style="bold")
+    if est.reserved_peak_bytes is not None:
+        table.add_row("reserved by the CUDA caching allocator", format_bytes(est.reserved_peak_bytes),
+                      f"{100 * est.reserved_peak_bytes / max(est.peak_bytes, 1):.0f}%", *extra, style="bold")
+    console.print(table)
+    phases = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.phase_peaks.items())
+    console.print(f"Peak reached during the {est.peak_phase} (highest per phase: {phases}).")
+    console.print(f"How: {est.method}.")
+    for note in report.notes:
+        console.print(f"Note: {note}.")
+
+    top = est.top_modules(8)
+    if top:
+        mods = Table(title="Where the activations live (leaf modules, repeated blocks grouped)", title_justify="left")
+        mods.add_column("module", no_wrap=True)
+        mods.add_column("×", justify="right")
+        mods.add_column("parameters", justify="right")
+        mods.add_column("activations kept", justify="right")
+        mods.add_column("forward transient", justify="right")
+        mods.add_column("backward transient", justify="right")
+        for m in top:
+            mods.add_row(m.name, str(m.count), format_bytes(m.parameter_bytes), format_bytes(m.activation_bytes),
+                         format_bytes(m.forward_peak_bytes), format_bytes(m.backward_peak_bytes))
+        console.print(mods)
+
+    if report.fit is not None and report.gpu_memory_bytes is not None:
+        fit = report.fit
+        budget = f"{format_bytes(report.gpu_memory_bytes)} with a {report.safety_margin:.0%} safety margin ({format_bytes(fit.usable_bytes)} usable)"
+        if fit.micro_batch_size == 0:
+            console.print(f"[bold red]Not even a micro-batch of 1 fits in {budget}[/]: it needs {format_bytes(fit.next_peak_bytes or 0)} reserved.")
+        else:
+            nxt = f"; {fit.micro_batch_size + 1} would need {format_bytes(fit.next_peak_bytes)}" if fit.next_peak_bytes else ""
+            console.print(
+                f"[bold green]Largest micro-batch that fits in {budget}: {fit.micro_batch_size}[/] "
+                f"(reserved peak {format_bytes(fit.peak_bytes or 0)}{nxt}; {len(fit.probes)} batch sizes estimated)."
+            )
+    console.print(
+        f"Estimated in {report.build_seconds:.1f} s ({report.cpu_seconds:.1f} s of CPU time) on fake tensors: "
+        "no weights, no device memory."
+    )
+
+
+def run_estimate_command(cfg: Any) -> EstimateReport:
+    """``lit-memopt estimate recipe=NAME model=NAME [gpu_memory=80GiB] [batch_size=N] [seq_len=N] [safety_margin=0.1]``."""
+    report = estimate_recipe(cfg)
+    render_report(report)
+    return report

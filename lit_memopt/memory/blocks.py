@@ -1,0 +1,179 @@
+"""Block extrapolation: trace a decoder with 1 and 2 blocks, check linearity at 3, scale to all of them.
+
+A decoder is a stack of identical blocks; every quantity of a training step that a block adds (its
+weights, gradients and optimizer states, the activations it keeps, its KV cache in generation) is the
+same for each block, so each phase's peak and its breakdown are affine in the number of blocks
+``N``: ``f(N) = f(1) + (N - 1) * (f(2) - f(1))``. Tracing 1 and 2 blocks therefore gives the numbers
+for 36 exactly, as long as the peak of each phase stays at the same point of the step, which a third
+trace (3 blocks) checks: when it does not agree, the caller falls back to a full trace.
+
+The module is built once with the largest block count needed; smaller counts are obtained by
+truncating its ``layers`` lists (and the configs that say how many there are), so a module whose
+constructor does real work (GRADE trains a small reward classifier) is built once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from lit_memopt.memory.step import PeakEstimate, estimate_peak
+from lit_memopt.memory.tracker import ModuleMemory
+
+__all__ = ["count_blocks", "truncated_blocks", "extrapolate", "estimate_with_blocks", "LinearityError",
+           "PROBE_BLOCKS", "CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
+
+PROBE_BLOCKS = (1, 2)
+CHECK_BLOCKS = 3
+# Relative disagreement allowed at the check point. Live bytes are integers that are exactly affine
+# for a stack of identical blocks; the tolerance only absorbs a block count that changes a chunk size.
+LINEARITY_TOLERANCE = 0.001
+
+
+class LinearityError(ValueError):
+    """The check trace disagrees with the line through the probes: the step is not affine in the blocks."""
+
+
+def _block_lists(module: torch.nn.Module, built: int) -> list[tuple[torch.nn.Module, str, torch.nn.ModuleList]]:
+    """Every ``layers`` ModuleList of ``built`` blocks in ``module`` (policy, reference models), with its owner.
+
+    Lists of another length (a small reward classifier's layers) do not follow the model's block count.
+    """
+    found = []
+    for owner in module.modules():
+        layers = owner._modules.get("layers")
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) == built:
+            found.append((owner, "layers", layers))
+    return found
+
+
+def count_blocks(module: torch.nn.Module, built: int) -> int:
+    """How many decoders of ``built`` blocks ``module`` holds (0: block extrapolation does not apply)."""
+    return len(_block_lists(module, built))
+
+
+@contextlib.contextmanager
+def truncated_blocks(module: torch.nn.Module, keep: int, built: int) -> Iterator[torch.nn.Module]:
+    """Within the block, every decoder of ``built`` blocks in ``module`` keeps its first ``keep`` (restored after).
+
+    The transformers configs that say how many layers there are (``num_hidden_layers``, ``layer_types``)
+    are truncated alike, since the decoders iterate ``layers[: config.num_hidden_layers]``.
+    """
+    lists = _block_lists(module, built)
+    saved_lists = [(owner, name, layers) for owner, name, layers in lists]
+    configs: dict[int, tuple[Any, dict[str, Any]]] = {}
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and getattr(config, "num_hidden_layers", None) == built and id(config) not in configs:
+            configs[id(config)] = (config, {k: getattr(config, k) for k in ("num_hidden_layers", "layer_types") if hasattr(config, k)})
+    try:
+        for owner, name, layers in lists:
+            owner._modules[name] = torch.nn.ModuleList(list(layers)[:keep])
+        for config, values in configs.values():
+            config.num_hidden_layers = min(keep, values["num_hidden_layers"])
+            if isinstance(values.get("layer_types"), list):
+                config.layer_types = values["layer_types"][:keep]
+        yield module
+    finally:
+        for owner, name, layers in saved_lists:
+            owner._modules[name] = layers
+        for config, values in configs.values():
+            for key, value in values.items():
+                setattr(config, key, value)
+
+
+def _line(values: Sequence[int], at: Sequence[int], n: int) -> int:
+    (a, b), (fa, fb) = at, values
+    return int(fa + (fb - fa) * (n - a) // (b - a))
+
+
+def extrapolate(estimates: Sequence[PeakEstimate], blocks: Sequence[int], num_blocks: int) -> PeakEstimate:
+    """The estimate for ``num_blocks`` blocks from two traces with ``blocks`` blocks (affine in the count)."""
+    e1, e2 = estimates
+    phases = [p for p in e2.phase_breakdowns if p in e1.phase_breakdowns]
+    phase_breakdowns = {
+        p: {k: _line((e1.phase_breakdowns[p].get(k, 0), e2.phase_breakdowns[p].get(k, 0)), blocks, num_blocks)
+            for k in e2.phase_breakdowns[p]}
+        for p in phases
+    }
+    phase_peaks = {p: sum(b.values()) for p, b in phase_breakdowns.items()}
+    peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p]) if phase_peaks else e2.peak_phase
+    rows_1 = {m.name: m for m in e1.modules}
+    modules = []
+    for m in e2.modules:
+        o = rows_1.get(m.name, dataclasses.replace(m, count=0, parameter_bytes=0, activation_bytes=0))
+        modules.append(ModuleMemory(
+            m.name,
+            _line((o.count, m.count), blocks, num_blocks),
+            _line((o.parameter_bytes, m.parameter_bytes), blocks, num_blocks),
+            _line((o.activation_bytes, m.activation_bytes), blocks, num_blocks),
+            m.forward_peak_bytes, m.backward_peak_bytes, m.is_leaf,
+        ))
+    modules.sort(key=lambda m: (m.activation_bytes, m.forward_peak_bytes), reverse=True)
+    reserved = None
+    if e1.reserved_peak_bytes is not None and e2.reserved_peak_bytes is not None:
+        reserved = max(_line((e1.reserved_peak_bytes, e2.reserved_peak_bytes), blocks, num_blocks), 0)
+    peak = phase_peaks.get(peak_phase, e2.peak_bytes)
+    return dataclasses.replace(
+        e2,
+        peak_bytes=peak,
+        breakdown=dict(phase_breakdowns.get(peak_phase, e2.breakdown)),
+        peak_phase=peak_phase,
+        phase_peaks=phase_peaks,
+        phase_breakdowns=phase_breakdowns,
+        modules=modules,
+        seconds=e1.seconds + e2.seconds,
+        reserved_peak_bytes=None if reserved is None else max(reserved, peak),
+        num_blocks=num_blocks,
+    )
+
+
+def estimate_with_blocks(
+    module: torch.nn.Module,
+    batch: Any,
+    num_blocks: int,
+    *,
+    built_blocks: int = CHECK_BLOCKS,
+    check: bool = True,
+    **kwargs: Any,
+) -> PeakEstimate:
+    """:func:`estimate_peak` of ``module`` as if it had ``num_blocks`` blocks, from traces of 1 and 2 (and 3).
+
+    ``module`` was built with ``built_blocks`` blocks per decoder (3; 2 is enough when ``check=False``).
+    Keyword arguments go to :func:`estimate_peak`.
+
+    Raises:
+        LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
+            than ``LINEARITY_TOLERANCE`` in a phase's peak): trace the whole model instead.
+        ValueError: the module has fewer blocks than the traces need.
+    """
+    need = CHECK_BLOCKS if check else max(PROBE_BLOCKS)
+    if built_blocks < need or count_blocks(module, built_blocks) == 0:
+        raise ValueError(
+            f"estimate_with_blocks: the module needs decoders built with at least {need} blocks (a `layers` list "
+            f"of length built_blocks={built_blocks}); none found"
+        )
+    traces = {}
+    for k in (*PROBE_BLOCKS, CHECK_BLOCKS) if check else PROBE_BLOCKS:
+        with truncated_blocks(module, k, built_blocks):
+            traces[k] = estimate_peak(module, batch, **kwargs)
+    probes = [traces[k] for k in PROBE_BLOCKS]
+    method = f"blocks traced: {PROBE_BLOCKS[0]} and {PROBE_BLOCKS[1]}, extrapolated to {num_blocks}"
+    if check:
+        predicted = extrapolate(probes, PROBE_BLOCKS, CHECK_BLOCKS)
+        actual = traces[CHECK_BLOCKS]
+        for phase, value in actual.phase_peaks.items():
+            line = predicted.phase_peaks.get(phase)
+            if line is None or abs(line - value) > LINEARITY_TOLERANCE * max(value, 1):
+                raise LinearityError(
+                    f"the {phase} peak with {CHECK_BLOCKS} blocks is {value} bytes, the line through "
+                    f"{PROBE_BLOCKS} blocks says {line}"
+                )
+        method += f" (linear in the block count: checked with a trace of {CHECK_BLOCKS})"
+    result = extrapolate(probes, PROBE_BLOCKS, num_blocks)
+    result.method = method
+    result.seconds = sum(t.seconds for t in traces.values())
+    return result

@@ -1,0 +1,471 @@
+"""One training step of a LightningModule under the memory tracker: the peak, its breakdown, where it happened.
+
+``estimate_peak`` runs Lightning's order of a step (hooks, ``training_step``, backward, optimizer step,
+``zero_grad``) outside a fit loop. On a module built under fake tensors no weights exist, so a 4B model is
+measured on a laptop CPU; on real tensors the same code measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from lit_memopt.memory.batch import batch_geometry, batch_tensors, move_batch, resize_batch, to_fake
+from lit_memopt.memory.fake import fake_mode
+from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, snapshot_categories, snapshot_total
+
+__all__ = ["PeakEstimate", "EstimateError", "estimate_peak", "format_bytes", "breakdown_from_categories"]
+
+GIB = 1024**3
+# MemTracker's categories -> the rows of the breakdown.
+_CATEGORY_ROWS = {
+    "Parameter": "parameters",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Buffer": "other",
+    "Other": "other",
+}
+_BREAKDOWN_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (kept for backward)",
+    "temporaries": "temporaries",
+    "other": "buffers and input batch",
+}
+
+
+
+def format_bytes(n: float) -> str:
+    """``12.34 GiB``-style text for a byte count."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+
+@dataclass
+class PeakEstimate:
+    """The peak of live tensor bytes during one training step, with where it came from.
+
+    Attributes:
+        peak_bytes: highest total of live tensor bytes (forward, backward or optimizer step).
+        breakdown: the peak split into ``parameters``, ``gradients``, ``optimizer_state``,
+            ``activations``, ``temporaries`` and ``other`` (buffers, the input batch); sums to ``peak_bytes``.
+        peak_phase: ``forward``, ``backward`` or ``optimizer step``: where the peak happened.
+        phase_peaks: the highest total inside each phase.
+        modules: per-module memory (grouped over repeated blocks), largest activations first.
+        batch_size: rows of the batch the step ran on.
+        seq_len: tokens per row (``None`` when the batch has no 2-D tensor).
+        fake: ``True`` when the step ran on fake tensors (a prediction), ``False`` on real ones.
+        seconds: wall time of the measured step.
+        optimizer_foreach: the optimizer implementation that was simulated (``None``: as configured).
+        accumulating: gradients were live from the start (one micro-batch of several).
+        phase_breakdowns: the breakdown at each phase's own peak (what block extrapolation and
+            per-rank sharding scale).
+        reserved_peak_bytes: what PyTorch's CUDA caching allocator would have reserved at its peak
+            for the same allocations (``memory.allocator``); ``None`` when not modelled.
+        num_blocks: decoder blocks of the model the numbers are for (``None``: not known).
+        method: how the numbers were obtained, in words (a full trace, or which block counts were
+            traced and extrapolated; worst-case generation; per-rank sharding).
+    """
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    phase_peaks: dict[str, int]
+    modules: list[ModuleMemory]
+    batch_size: int | None
+    seq_len: int | None
+    fake: bool
+    seconds: float
+    optimizer_foreach: bool | None = None
+    accumulating: bool = False
+    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
+    reserved_peak_bytes: int | None = None
+    num_blocks: int | None = None
+    method: str = "full trace"
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    def top_modules(self, n: int = 8) -> list[ModuleMemory]:
+        """The ``n`` leaf-module groups keeping the most activations (where the memory lives)."""
+        leaves = [m for m in self.modules if m.is_leaf and (m.activation_bytes > 0 or m.forward_peak_bytes > 0)]
+        return sorted(leaves, key=lambda m: (m.activation_bytes, m.forward_peak_bytes), reverse=True)[:n]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["top_modules"] = [m.as_dict() for m in self.top_modules()]
+        return out
+
+
+
+class EstimateError(ValueError):
+    """The step could not run under fake tensors (it reads tensor values, e.g. text generation).
+
+    A ``ValueError``: the command line reports it in one line, like a bad setting.
+    """
+
+
+
+def _fake_mode_of(module: torch.nn.Module) -> Any | None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
+
+
+def _optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in whatever ``configure_optimizers`` returned (Lightning's accepted forms)."""
+    if config is None:
+        return []
+    if isinstance(config, torch.optim.Optimizer):
+        return [config]
+    if isinstance(config, Mapping):
+        return _optimizers_from(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in config[0]):
+            return list(config[0])  # ([optimizers], [schedulers])
+        found: list[torch.optim.Optimizer] = []
+        for item in config:
+            found.extend(_optimizers_from(item))
+        return found
+    inner = getattr(config, "optimizer", None)  # LightningOptimizer
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def _set_foreach(optimizers: Sequence[torch.optim.Optimizer], foreach: bool | None) -> None:
+    if foreach is None:
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if "foreach" in group and group.get("foreach") is None and not group.get("fused"):
+                group["foreach"] = foreach
+
+
+def _trainable(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _initialise_optimizer_states(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Run one step on zero gradients so that lazily created states (Adam moments) exist and count.
+
+    In steady-state training the states live through every forward and backward; a first step
+    would create them only at its very end and so underestimate every later step.
+    """
+    params = _trainable(optimizers)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    for opt in optimizers:
+        opt.step()
+    for p in params:
+        p.grad = None
+
+
+def _overridden(module: torch.nn.Module, name: str) -> bool:
+    import lightning.pytorch as pl
+
+    impl = getattr(type(module), name, None)
+    return impl is not None and impl is not getattr(pl.LightningModule, name, None)
+
+
+@contextlib.contextmanager
+def _standalone(module: Any, optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """Let ``training_step`` run outside a fit loop: logging is a no-op, optimizer helpers are local."""
+
+    def manual_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+    def clip_gradients(optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
+        if gradient_clip_val:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
+    @contextlib.contextmanager
+    def toggled_optimizer(optimizer: Any) -> Iterator[None]:
+        yield
+
+    patches: dict[str, Any] = {
+        "log": lambda *a, **k: None,
+        "log_dict": lambda *a, **k: None,
+        "optimizers": lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else list(optimizers),
+        "lr_schedulers": lambda: None,
+        "manual_backward": manual_backward,
+        "toggle_optimizer": lambda optimizer: None,
+        "untoggle_optimizer": lambda optimizer: None,
+        "toggled_optimizer": toggled_optimizer,
+        "clip_gradients": clip_gradients,
+    }
+    saved = {name: module.__dict__[name] for name in patches if name in module.__dict__}
+    for name, fn in patches.items():
+        object.__setattr__(module, name, fn)
+    try:
+        yield
+    finally:
+        for name in patches:
+            module.__dict__.pop(name, None)
+        for name, fn in saved.items():
+            object.__setattr__(module, name, fn)
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        return loss if isinstance(loss, torch.Tensor) else None
+    return None
+
+
+def _run_training_step(module: Any, batch: Any, optimizers: list[torch.optim.Optimizer], tracker: StepTracker, batch_idx: int) -> None:
+    """Lightning's order of one training step: hooks, forward, backward, optimizer step, zero_grad."""
+    automatic = bool(getattr(module, "automatic_optimization", True))
+    tracker.phase = "forward"
+    if _overridden(module, "on_train_batch_start"):
+        module.on_train_batch_start(batch, batch_idx)
+    output = module.training_step(batch, batch_idx)
+    if automatic:
+        loss = _loss_of(output)
+        if loss is not None:
+            tracker.phase = "backward"
+            if _overridden(module, "on_before_backward"):
+                module.on_before_backward(loss)
+            loss.backward()
+            del loss
+            if _overridden(module, "on_after_backward"):
+                module.on_after_backward()
+        output = None
+        tracker.phase = "optimizer step"
+        for opt in optimizers:
+            if _overridden(module, "on_before_optimizer_step"):
+                module.on_before_optimizer_step(opt)
+            opt.step()
+            if _overridden(module, "on_before_zero_grad"):
+                module.on_before_zero_grad(opt)
+            opt.zero_grad(set_to_none=True)
+    if _overridden(module, "on_train_batch_end"):
+        module.on_train_batch_end(output, batch, batch_idx)
+
+
+def _explain_value_dependence(exc: BaseException, module: Any) -> EstimateError:
+    return EstimateError(
+        f"estimate_peak: the training step of {type(module).__name__} reads tensor values "
+        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'data-dependent operation'}); "
+        "fake tensors have shapes but no values, so this step cannot be estimated without running it. "
+        "Text generation with an end-of-sequence stop is the usual cause; estimate the training "
+        "forward/backward with a module whose step is value-independent, or measure on the device."
+    )
+
+
+def estimate_peak(
+    module: Any,
+    batch: Any,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    optimizer_foreach: bool | None = None,
+    accumulating: bool = False,
+    batch_idx: int = 0,
+    model_allocator: bool = True,
+) -> PeakEstimate:
+    """Peak live tensor bytes of one training step (forward, backward, optimizer step) of ``module`` on ``batch``.
+
+    ``module`` is a LightningModule or a zero-argument function returning one. A function is
+    called inside ``fake_mode()``, so a real-size model is built without memory and the result is
+    a prediction; a module already built inside ``fake_mode()`` is estimated the same way. A
+    module with real tensors runs the step for real and the result is a measurement (this is how
+    the estimate is checked against reality). The step is Lightning's: ``on_train_batch_start``,
+    ``training_step``, ``backward``, ``optimizer.step`` and ``zero_grad(set_to_none=True)`` for
+    each optimizer of ``configure_optimizers`` (manual optimization: ``training_step`` drives
+    them); ``self.log`` is a no-op. Optimizer states are created before the step (a zero-gradient
+    step), so they count as they do in every step after the first. The module's weights change.
+
+    Args:
+        module: the LightningModule, or a function building it (built under fake tensors).
+        batch: a batch as the module's DataLoader yields it (real tensors; converted to fake ones).
+        batch_size: resize the batch to this many rows first (see :func:`resize_batch`).
+        seq_len: resize the batch to this many tokens per row first.
+        optimizer_foreach: force the optimizers' ``foreach`` implementation where it is unset
+            (``True`` mimics CUDA, where it is PyTorch's default and needs a temporary of the size
+            of the parameters); ``None`` keeps the configured behaviour.
+        accumulating: the step is one micro-batch of several: gradients are live from the start.
+        batch_idx: passed to ``training_step``.
+        model_allocator: replay the step's allocations through the CUDA caching-allocator model
+            (``memory.allocator``) to fill ``reserved_peak_bytes``.
+
+    Returns:
+        A :class:`PeakEstimate`.
+
+    Raises:
+        EstimateError: the step reads tensor values, which fake tensors do not have.
+        ValueError: bad ``batch_size``/``seq_len``, or a module without optimizers.
+
+    Example::
+
+        from lit_memopt.memory import estimate_peak
+        est = estimate_peak(lambda: SFTModule(ModelConfig(...qwen3_4b...)), batch, batch_size=8, seq_len=2048,
+                            optimizer_foreach=True)
+        print(est.peak_gib, est.breakdown, est.peak_phase)
+    """
+    if not isinstance(module, torch.nn.Module):
+        if not callable(module):
+            raise TypeError(f"estimate_peak: module must be a LightningModule or a function building one, got {type(module).__name__}")
+        with fake_mode() as mode:
+            module = module()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"estimate_peak: the module factory returned {type(module).__name__}, not a LightningModule")
+    else:
+        mode = _fake_mode_of(module)
+    if batch_size is not None or seq_len is not None:
+        batch = resize_batch(batch, batch_size, seq_len)
+    rows, seq = batch_geometry(batch)
+    context = mode if mode is not None else contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    with context:
+        if mode is not None:
+            batch = to_fake(batch, mode)
+        module.train()
+        optimizers = _optimizers_from(module.configure_optimizers())
+        if not optimizers:
+            raise ValueError(f"estimate_peak: {type(module).__name__}.configure_optimizers() returned no optimizer")
+        _set_foreach(optimizers, optimizer_foreach)
+        try:
+            _initialise_optimizer_states(optimizers)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise _explain_value_dependence(exc, module) from exc
+        if accumulating:
+            with torch.no_grad():
+                for p in _trainable(optimizers):
+                    p.grad = torch.zeros_like(p)
+        for opt in optimizers:
+            if not accumulating:
+                opt.zero_grad(set_to_none=True)
+        tracker = StepTracker(record_allocations=model_allocator)
+        tracker.track_external(module, *optimizers, *batch_tensors(batch))
+        started = time.perf_counter()
+        try:
+            with _standalone(module, optimizers), tracker:
+                tracker.mark_phase_start("setup")
+                _run_training_step(module, batch, optimizers, tracker, batch_idx)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise _explain_value_dependence(exc, module) from exc
+        except (AssertionError, AttributeError, RuntimeError, TypeError) as exc:
+            if mode is None:
+                raise  # real tensors: the module's own error, unchanged
+            raise EstimateError(
+                f"estimate_peak: the training step of {type(module).__name__} failed on fake tensors outside a Trainer "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}). Steps that need "
+                "fit-time setup (a sandbox, trainer.datamodule) or generate text until an end-of-sequence token cannot "
+                "be estimated; set LIT_MEMOPT_DEBUG=1 for the traceback."
+            ) from exc
+        seconds = time.perf_counter() - started
+        peak_snapshot = tracker.get_tracker_snapshot("peak")
+        state_bytes = _optimizer_state_bytes(optimizers)
+
+    breakdown = breakdown_from_categories(snapshot_categories(peak_snapshot), state_bytes)
+    phase_breakdowns = {k: breakdown_from_categories(v, state_bytes) for k, v in tracker.phase_breakdowns.items() if k != "setup"}
+    reserved = None
+    if tracker.allocation_log is not None:
+        from lit_memopt.memory.allocator import reserved_peak
+
+        reserved = reserved_peak(tracker.allocation_log)
+    peak = snapshot_total(peak_snapshot)
+    return PeakEstimate(
+        peak_bytes=peak,
+        breakdown=breakdown,
+        peak_phase=tracker.peak_phase,
+        phase_peaks={k: v for k, v in tracker.phase_peaks.items() if k != "setup"},
+        modules=module_rows(tracker),
+        batch_size=rows,
+        seq_len=seq,
+        fake=mode is not None,
+        seconds=seconds,
+        optimizer_foreach=optimizer_foreach,
+        accumulating=accumulating,
+        phase_breakdowns=phase_breakdowns,
+        reserved_peak_bytes=reserved,
+    )
+
+
+def breakdown_from_categories(categories: dict[str, int], optimizer_state_bytes: int) -> dict[str, int]:
+    """MemTracker's categories as the rows of the breakdown (sums to the same total).
+
+    Inside the optimizer step MemTracker files every new tensor as optimizer state: what exceeds
+    the real states (``optimizer_state_bytes``) are the step's temporaries (e.g. foreach buffers).
+    """
+    breakdown = dict.fromkeys(_BREAKDOWN_LABELS, 0)
+    for name, value in categories.items():
+        row = _CATEGORY_ROWS.get(name)
+        if row is not None:
+            breakdown[row] += int(value)
+    if breakdown["optimizer_state"] > optimizer_state_bytes:
+        breakdown["temporaries"] += breakdown["optimizer_state"] - optimizer_state_bytes
+        breakdown["optimizer_state"] = optimizer_state_bytes
+    return breakdown
+
+
+def _optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    seen: dict[int, int] = {}
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    st = value.untyped_storage()
+                    seen[id(st) if not hasattr(st, "_cdata") else st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+
+def _measure_on_cuda(build_module: Callable[[], Any], batch: Any, optimizer_foreach: bool | None) -> int | None:
+    """Real peak of the same step on the current CUDA device (``torch.cuda.max_memory_allocated``), or None if it OOMs."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    module = None
+    try:
+        with torch.device(device):
+            module = build_module()
+        module.to(device)
+        moved = move_batch(batch, device)
+        optimizers = _optimizers_from(module.configure_optimizers())
+        _set_foreach(optimizers, optimizer_foreach)
+        _initialise_optimizer_states(optimizers)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        tracker = StepTracker()
+        with _standalone(module, optimizers):
+            module.train()
+            _run_training_step(module, moved, optimizers, tracker, 0)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del module
+        torch.cuda.empty_cache()
+
+

@@ -1,0 +1,211 @@
+"""The one memory tracker of the pack: PyTorch's ``MemTracker`` with phases, frozen weights and an allocation log.
+
+``StepTracker`` is used by the training-step estimator (``memory.step``) and by ``memory.fake.peak_during``
+alike. Beyond the stock tracker it records the phase each peak fell in (forward, backward, optimizer step)
+with the category breakdown at each phase's own peak, tolerates frozen parameters, and optionally logs
+every allocation and free so that ``memory.allocator`` can replay them through a caching-allocator model.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, asdict
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType
+
+__all__ = ["StepTracker", "ModuleMemory", "snapshot_total", "snapshot_categories", "module_rows"]
+
+
+@dataclass
+class ModuleMemory:
+    """Memory of one module (or of a group of same-named repeated modules, ``layers.*.mlp``) in the step.
+
+    Attributes:
+        name: qualified name below the LightningModule; repeated blocks' indices become ``*``.
+        count: how many modules the row groups (e.g. 36 decoder layers).
+        parameter_bytes: parameters of the modules (all of them together).
+        activation_bytes: bytes the forward passes left alive (kept for backward), summed.
+        forward_peak_bytes: the largest rise over the entry level inside one forward call.
+        backward_peak_bytes: the largest rise over the entry level inside one backward call.
+        is_leaf: the modules have no sub-modules.
+    """
+
+    name: str
+    count: int
+    parameter_bytes: int
+    activation_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    is_leaf: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def snapshot_total(snapshot: dict[Any, dict[Any, int]]) -> int:
+    """Bytes of a MemTracker snapshot, summed over devices."""
+    return sum(int(per_device.get("Total", 0)) for per_device in snapshot.values())
+
+
+def snapshot_categories(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """A MemTracker snapshot as ``{category name: bytes}`` summed over devices (``Total`` left out)."""
+    out: dict[str, int] = {}
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            name = str(getattr(key, "value", key))
+            if name != "Total":
+                out[name] = out.get(name, 0) + int(value)
+    return out
+
+
+class StepTracker(MemTracker):
+    """``MemTracker`` that knows the step's phases, with per-op cost independent of model size.
+
+    The stock tracker walks every module it has ever seen on every op to update module peaks; a
+    36-layer model has hundreds of modules, which made a 4B step take minutes. Only the modules
+    currently running (``ModTracker.parents``) can change their peaks, so only those are visited.
+
+    Args:
+        record_allocations: keep ``allocation_log``, a list of ``(+1, key, bytes)`` / ``(-1, key, bytes)``
+            events in program order, for the caching-allocator model.
+    """
+
+    def __init__(self, record_allocations: bool = False) -> None:
+        super().__init__()
+        self._stats_by_name: dict[str, Any] = {}
+        self.phase = "setup"
+        self.peak_phase = "setup"
+        self.phase_peaks: dict[str, int] = {}
+        # category bytes at each phase's own peak: what block extrapolation and per-rank sharding scale
+        self.phase_breakdowns: dict[str, dict[str, int]] = {}
+        self.allocation_log: list[tuple[int, int, int]] | None = [] if record_allocations else None
+
+    # ------------------------------------------------------------------ allocation log
+    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None) -> None:
+        log = self.allocation_log
+        if log is not None:
+            if u_type == _UpdateType.ADD:
+                log.append((1, id(winfo), winfo.mem_consumed))
+            elif u_type == _UpdateType.DEL:
+                log.append((-1, id(winfo), winfo.mem_consumed))
+            elif u_type == _UpdateType.SIZE:  # a resize_: the old storage is released, a new one taken
+                log.append((-1, id(winfo), int(old_mem_consumed or 0)))
+                log.append((1, id(winfo), winfo.mem_consumed))
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    # ------------------------------------------------------------------ repeated calls, generators, frozen weights
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            # A repeated call: a generation loop runs the same decoder once per token. The stock
+            # tracker refuses a top-level module called twice; record each call like a reused submodule.
+            stats = self.memory_tracking[module]
+            stats.mod_fqn = self._mod_tracker.get_known_fqn(module) or stats.mod_fqn
+            stats.input_mem = self._track_inputs_or_outputs(inputs)
+            snapshot = self.get_tracker_snapshot()
+            stats.local_peak = {dev: dev_snap["Total"] for dev, dev_snap in snapshot.items()}
+            stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
+            stats.snapshots.setdefault(_ModState.PRE_FW, []).append(copy.deepcopy(snapshot))
+        else:
+            super()._pre_fw_hook(module, inputs)
+            stats = self.memory_tracking[module]
+        self._stats_by_name[stats.mod_fqn] = stats
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # Fake tensors cannot draw from an explicit torch.Generator (e.g. seeded Gumbel noise);
+        # random values are irrelevant to memory, so such draws use the default generator.
+        if kwargs and kwargs.get("generator") is not None and self._fake_mode_on_entry is not None:
+            kwargs = {**kwargs, "generator": None}
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # The stock version registers gradient hooks on every parameter, which fails on frozen
+        # ones (a reference model, a reward model): those get no hook, they never get a gradient.
+        def grad_hook(grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        param_memory = 0
+        for param in module.parameters():
+            winfos = self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
+            param_memory += sum(w.mem_consumed for w in winfos)
+            if param.grad is not None:
+                self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+            if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(grad_hook),
+                    param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad)),
+                )
+        buffer_memory = 0
+        for buffer in module.buffers():
+            winfos = self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
+            buffer_memory += sum(w.mem_consumed for w in winfos)
+        return param_memory, buffer_memory
+
+    # ------------------------------------------------------------------ peaks
+    def current_phase(self) -> str:
+        # Manual optimization runs backward and the optimizer inside training_step: ask the tracker.
+        return "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else self.phase
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        current = self._curr_mem_snap
+        for name in self._mod_tracker.parents:
+            stats = self._stats_by_name.get(name)
+            if stats is None or peak_state not in stats.snapshots:
+                continue
+            for dev, dev_snap in current.items():
+                total = dev_snap["Total"]
+                if stats.local_peak.get(dev, 0) < total:
+                    stats.local_peak[dev] = total
+                    stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
+        phase = self.current_phase()
+        grand_total = 0
+        for dev, dev_snap in current.items():
+            total = dev_snap["Total"]
+            grand_total += total
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
+                self._peak_mem_snap[dev] = dict(dev_snap)
+                self.peak_phase = phase
+        if grand_total > self.phase_peaks.get(phase, -1):
+            self.phase_peaks[phase] = grand_total
+            self.phase_breakdowns[phase] = snapshot_categories(current)
+
+    def mark_phase_start(self, phase: str) -> None:
+        """Count what is live when ``phase`` starts as that phase's first level (a phase may only free)."""
+        current = self._curr_mem_snap
+        total = sum(int(d.get("Total", 0)) for d in current.values())
+        if total > self.phase_peaks.get(phase, -1):
+            self.phase_peaks[phase] = total
+            self.phase_breakdowns[phase] = snapshot_categories(current)
+
+
+def module_rows(tracker: StepTracker) -> list[ModuleMemory]:
+    """Per-module stats from the tracker, grouped over numbered repeats (``layers.0`` .. ``layers.35``)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for module, stats in list(tracker.memory_tracking.items()):
+        name = stats.mod_fqn
+        _, _, rest = name.partition(".")
+        if not rest:
+            continue  # the LightningModule itself: that is the whole step
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", rest)
+        snaps = stats.snapshots
+        pre_fw = [snapshot_total(s) for s in snaps.get(_ModState.PRE_FW, [])]
+        post_fw = [snapshot_total(s) for s in snaps.get(_ModState.POST_FW, [])]
+        peak_fw = [snapshot_total(s) for s in snaps.get(_ModState.PEAK_FW, [])]
+        pre_bw = [snapshot_total(s) for s in snaps.get(_ModState.PRE_BW, [])]
+        peak_bw = [snapshot_total(s) for s in snaps.get(_ModState.PEAK_BW, [])]
+        kept = sum(max(b - a, 0) for a, b in zip(pre_fw, post_fw))
+        fw_peak = max((max(b - a, 0) for a, b in zip(pre_fw, peak_fw)), default=0)
+        bw_peak = max((max(b - a, 0) for a, b in zip(pre_bw, peak_bw)), default=0)
+        g = groups.setdefault(key, {"count": 0, "params": 0, "kept": 0, "fw": 0, "bw": 0, "leaf": True})
+        g["count"] += 1
+        g["params"] += int(getattr(stats, "parameter_mem", 0))
+        g["kept"] += kept
+        g["fw"] = max(g["fw"], fw_peak)
+        g["bw"] = max(g["bw"], bw_peak)
+        g["leaf"] = g["leaf"] and not any(True for _ in module.children())
+    rows = [ModuleMemory(k, g["count"], g["params"], g["kept"], g["fw"], g["bw"], g["leaf"]) for k, g in groups.items()]
+    rows.sort(key=lambda m: (m.activation_bytes, m.forward_peak_bytes), reverse=True)
+    return rows
