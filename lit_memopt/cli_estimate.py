@@ -19,7 +19,7 @@ import torch
 from lit_memopt.memory.batch import resize_batch
 from lit_memopt.memory.blocks import CHECK_BLOCKS, LinearityError, estimate_with_blocks
 from lit_memopt.memory.search import DEFAULT_SAFETY_MARGIN, BatchFit, largest_micro_batch, parse_memory_size
-from lit_memopt.memory.step import _BREAKDOWN_LABELS, EstimateError, PeakEstimate, _measure_on_cuda, estimate_peak, format_bytes
+from lit_memopt.memory.step import BREAKDOWN_LABELS, EstimateError, PeakEstimate, measure_on_cuda, estimate_peak, format_bytes
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
 
@@ -220,7 +220,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         if estimate.peak_bytes < free:
             from lit_memopt.cli import instantiate_run
 
-            measured = _measure_on_cuda(lambda: instantiate_run(cfg).module, batch, None)
+            measured = measure_on_cuda(lambda: instantiate_run(cfg).module, batch, None)
     model = estimator.run.model_config
     return EstimateReport(
         recipe=str(cfg.get("recipe_name") or "?"),
@@ -257,7 +257,7 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
     if report.measured_peak_bytes is not None:
         table.add_column(f"measured ({report.device})", justify="right")
     extra = [""] if report.measured_peak_bytes is not None else []
-    for key, label in _BREAKDOWN_LABELS.items():
+    for key, label in BREAKDOWN_LABELS.items():
         value = est.breakdown.get(key, 0)
         table.add_row(label, format_bytes(value), f"{100 * value / max(est.peak_bytes, 1):.0f}%", *extra)
     table.add_section()

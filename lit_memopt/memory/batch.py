@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["batch_geometry", "resize_batch", "to_fake", "batch_tensors", "move_batch"]
+__all__ = ["batch_geometry", "resize_batch", "to_fake", "batch_tensors"]
 
 
 def batch_geometry(batch: Any) -> tuple[int | None, int | None]:
@@ -109,14 +109,3 @@ def to_fake(batch: Any, mode: Any) -> Any:
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(batch)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
-
-
-def move_batch(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: move_batch(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(move_batch(v, device) for v in batch)
-    return batch
-

@@ -16,11 +16,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from lit_memopt.memory.batch import batch_geometry, batch_tensors, move_batch, resize_batch, to_fake
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from lit_memopt.memory.batch import batch_geometry, batch_tensors, resize_batch, to_fake
+from lit_memopt.memory.units import format_bytes
 from lit_memopt.memory.fake import fake_mode
 from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, snapshot_categories, snapshot_total
 
-__all__ = ["PeakEstimate", "EstimateError", "estimate_peak", "format_bytes", "breakdown_from_categories"]
+__all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda"]
 
 GIB = 1024**3
 # MemTracker's categories -> the rows of the breakdown.
@@ -33,7 +36,7 @@ _CATEGORY_ROWS = {
     "Buffer": "other",
     "Other": "other",
 }
-_BREAKDOWN_LABELS = {
+BREAKDOWN_LABELS = {
     "parameters": "parameters",
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
@@ -43,13 +46,6 @@ _BREAKDOWN_LABELS = {
 }
 
 
-
-def format_bytes(n: float) -> str:
-    """``12.34 GiB``-style text for a byte count."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 
@@ -418,7 +414,7 @@ def breakdown_from_categories(categories: dict[str, int], optimizer_state_bytes:
     Inside the optimizer step MemTracker files every new tensor as optimizer state: what exceeds
     the real states (``optimizer_state_bytes``) are the step's temporaries (e.g. foreach buffers).
     """
-    breakdown = dict.fromkeys(_BREAKDOWN_LABELS, 0)
+    breakdown = dict.fromkeys(BREAKDOWN_LABELS, 0)
     for name, value in categories.items():
         row = _CATEGORY_ROWS.get(name)
         if row is not None:
@@ -441,7 +437,7 @@ def _optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> int:
 
 
 
-def _measure_on_cuda(build_module: Callable[[], Any], batch: Any, optimizer_foreach: bool | None) -> int | None:
+def measure_on_cuda(build_module: Callable[[], Any], batch: Any, optimizer_foreach: bool | None) -> int | None:
     """Real peak of the same step on the current CUDA device (``torch.cuda.max_memory_allocated``), or None if it OOMs."""
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()
@@ -450,7 +446,7 @@ def _measure_on_cuda(build_module: Callable[[], Any], batch: Any, optimizer_fore
         with torch.device(device):
             module = build_module()
         module.to(device)
-        moved = move_batch(batch, device)
+        moved = move_data_to_device(batch, device)
         optimizers = _optimizers_from(module.configure_optimizers())
         _set_foreach(optimizers, optimizer_foreach)
         _initialise_optimizer_states(optimizers)
