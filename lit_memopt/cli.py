@@ -330,6 +330,9 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
 
     started = time.perf_counter()
     if command == "fit":
+        if cfg.get("validate_first") and not ckpt_path:
+            # The held-out numbers the run starts from (after the module's warm start, which runs in setup).
+            trainer.validate(module, datamodule=datamodule, verbose=False)
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     else:
         trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path)

@@ -50,10 +50,16 @@ def test_sft_trains_on_fsdp2_and_resumes_from_the_sharded_checkpoint(tmp_path: P
     "recipe, metric", [("ttt", "train/loss"), ("intuitor", "train/self_certainty"), ("grade", "train/reward")]
 )
 def test_recipes_train_on_fsdp2(tmp_path: Path, recipe: str, metric: str) -> None:
+    # Intuitor's warm start runs on every rank before sharding (a few steps here, not the recipe's 400).
+    extra = ["module.warm_start.steps=4", "validate_first=false"] if recipe == "intuitor" else []
     result = run_cli(["fit", f"recipe={recipe}", *FSDP2, "trainer.max_steps=3", "trainer.log_every_n_steps=1",
-                      "trainer.val_check_interval=null", "trainer.limit_val_batches=0", f"hydra.run.dir={tmp_path / 'run'}"],
+                      "trainer.val_check_interval=null", "trainer.limit_val_batches=0", *extra,
+                      f"hydra.run.dir={tmp_path / 'run'}"],
                      cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    if recipe == "intuitor":
+        assert "IntuitorModule warm start: 4 supervised steps" in result.stdout + result.stderr
+        assert not (tmp_path / "run" / "warm_start.pt").exists()  # several processes: no shared file
     assert "OOMRecovery: FSDP2 gradient sync" in result.stdout + result.stderr
     values = _metric(tmp_path / "run", metric)
     assert len(values) == 3 and len(set(values)) > 1, values  # the metric moves as training goes

@@ -15,11 +15,12 @@ def test_embedded_recipe_self_certainty_rises(tmp_path: Path) -> None:
 
     from lit_memopt import cli
 
-    # The recipe as shipped (tiny_qwen3, byte tokenizer), with smaller groups and shorter responses for speed.
+    # The recipe's pipeline (tiny_qwen3, byte tokenizer) from random init, without its warm start, at a
+    # from-scratch learning rate; smaller groups and shorter responses for speed.
     cfg = cli.compose_config(
         [
             "recipe=intuitor", "data.batch_size=2", "module.num_samples=4", "module.max_new_tokens=8",
-            f"logger.save_dir={tmp_path}",
+            "module.warm_start.steps=0", "module.lr=1e-3", "data.task=mixed", f"logger.save_dir={tmp_path}",
         ]
     )
     pl.seed_everything(0)
@@ -49,3 +50,30 @@ def test_embedded_recipe_self_certainty_rises(tmp_path: Path) -> None:
     for key in ("train/self_certainty", "train/kl", "train/response_length", "train/accuracy"):
         assert key in logged and torch.isfinite(logged[key]), key
     assert float(logged["train/kl"]) > 0  # the policy moved away from the reference
+
+
+def test_recipe_warm_starts_validates_first_and_caches(tmp_path: Path) -> None:
+    """Through the CLI: the warm start runs before the first validation, the reference is the warm policy
+    (KL 0 at the first step), the first held-out accuracy is in the summary, and a second run reuses the file."""
+    from test_cli import run_cli
+
+    args = ["fit", "recipe=intuitor", "module.warm_start.steps=30", "module.num_samples=4", "module.max_new_tokens=6",
+            "data.num_val=8", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
+            "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = run_cli(args, cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    output = first.stdout + first.stderr
+    assert "IntuitorModule warm start: 30 supervised steps on the task family" in output
+    assert (tmp_path / "run" / "warm_start.pt").is_file()
+    import csv
+
+    rows = list(csv.DictReader(next((tmp_path / "run").glob("logs/version_*/metrics.csv")).open()))
+    val_steps = [int(r["step"]) for r in rows if r.get("val/accuracy")]
+    assert val_steps[0] == 0 and len(val_steps) == 2, val_steps  # validate_first, then after step 2
+    first_kl = [float(r["train/kl"]) for r in rows if r.get("train/kl")][0]
+    assert first_kl < 1e-6, first_kl  # the reference is the warm-started policy
+    assert "val/accuracy" in first.stdout
+
+    second = run_cli(args, cwd=tmp_path, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "IntuitorModule warm start: loaded" in second.stdout + second.stderr

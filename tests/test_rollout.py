@@ -170,6 +170,33 @@ def test_group_advantages_zero_mean_unit_std_per_group():
         group_advantages(rewards, group_size=0)
 
 
+def test_identical_responses_share_one_reward_and_rounding_is_no_signal():
+    from lit_memopt.modules.rollout import Rollout, share_rewards_of_identical_responses
+
+    # Two groups of 4, prompt length 1. Group 0: rows 0, 1, 3 identical (row 3 differs only after its EOS=1,
+    # which the response mask hides); group 1: all distinct.
+    ids = torch.tensor([[5, 7, 8, 1], [5, 7, 8, 1], [5, 7, 9, 1], [5, 7, 8, 1],
+                        [6, 2, 3, 1], [6, 3, 3, 1], [6, 4, 3, 1], [6, 5, 3, 1]])
+    response = torch.ones_like(ids, dtype=torch.bool)
+    response[:, 0] = False
+    ids[3, 3] = 1
+    rollout = Rollout(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=response, prompt_length=1, num_samples=4)
+    rewards = torch.tensor([9.5, 9.5 + 3e-6, 9.0, 9.5 - 1e-6, 1.0, 2.0, 3.0, 4.0])
+    shared = share_rewards_of_identical_responses(rewards, rollout)
+    assert shared[0] == shared[1] == shared[3]
+    torch.testing.assert_close(shared[0], torch.tensor(9.5 + 2e-6 / 3), rtol=0, atol=1e-6)
+    assert shared[2] == 9.0 and torch.equal(shared[4:], rewards[4:])
+    # A group of identical responses: one reward, so zero advantages (rounding in the mean is a tie too).
+    same = Rollout(input_ids=ids[:1].repeat(4, 1), attention_mask=torch.ones(4, 4), response_mask=response[:4],
+                   prompt_length=1, num_samples=4)
+    noisy = torch.tensor([10.1, 10.1 + 2e-6, 10.1 - 2e-6, 10.1 + 1e-6])
+    assert group_advantages(noisy, 4, tie_tolerance=0.0).abs().max() > 0.5  # what rounding noise would do alone
+    assert (group_advantages(share_rewards_of_identical_responses(noisy, same), 4) == 0).all()
+    # Real differences keep their advantages, even tiny ones of a near-uniform (random-init) policy.
+    tiny = torch.tensor([0.0712, 0.0713, 0.0711, 0.0712])
+    torch.testing.assert_close(group_advantages(tiny, 4), (tiny - tiny.mean()) / (tiny.std(correction=0) + 1e-6))
+
+
 def test_masked_mean_and_argument_errors(micro):
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[True, False, True], [False, False, False]])

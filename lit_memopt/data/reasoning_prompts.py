@@ -190,6 +190,24 @@ class ReasoningPromptsDataModule(LightningDataModule):
         self.train_set = self._make(rng, self.num_train)
         self.val_set = self._make(rng, self.num_val)
 
+    def warm_start_examples(self, count: int, seed: int) -> list[tuple[str, str]]:
+        """``count`` fresh ``(prompt, answer)`` pairs of the same task family for a supervised warm start.
+
+        Drawn from their own seed stream; questions of the validation set are redrawn, so the held-out
+        accuracy stays held out.
+        """
+        self.setup()
+        held_out = set(self.val_set.prompts)
+        rng = random.Random(seed)
+        tasks = TASK_GROUPS.get(self.task, (self.task,))
+        pairs: list[tuple[str, str]] = []
+        while len(pairs) < count:
+            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length)
+            prompt = format_prompt(question, self.prompt_style)
+            if prompt not in held_out:
+                pairs.append((prompt, answer if self.prompt_style == "compact" else f"Answer: {answer}"))
+        return pairs
+
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:

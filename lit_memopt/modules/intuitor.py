@@ -15,11 +15,13 @@ from lit_memopt.models import lm_head_weight
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.seeding import derive_seed
+from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
 from lit_memopt.modules.rollout import (
     Rollout,
     scatter_response,
     generate,
     group_advantages,
+    share_rewards_of_identical_responses,
     is_peft_model,
     masked_mean,
     reference_logprobs,
@@ -77,6 +79,9 @@ class IntuitorModule(pl.LightningModule):
         seed: base seed of the rollouts (each step samples with ``seed + step``-derived seeds).
         checker: ``checker(response_text, answer) -> float`` in ``[0, 1]``; ``None`` uses the
             datamodule's ``checker`` attribute when it has one. Accuracy needs ``answers`` in the batch.
+        warm_start: a supervised warm start on the datamodule's task family before RL
+            (:class:`lit_memopt.modules.warm_start.WarmStart` or its fields as a mapping; ``None``: off).
+            The reference policy is the warm-started one.
 
     Raises:
         ValueError: on an out-of-range hyper-parameter, or ``accuracy_weight > 0`` without a checker
@@ -114,8 +119,10 @@ class IntuitorModule(pl.LightningModule):
         gradient_checkpointing: bool = False,
         seed: int = 0,
         checker: Callable[[str, str], float] | None = None,
+        warm_start: dict[str, Any] | WarmStart | None = None,
     ) -> None:
         super().__init__()
+        self.warm_start = WarmStart.from_any(warm_start)
         _check(lr > 0, "lr", lr, "> 0")
         _check(weight_decay >= 0, "weight_decay", weight_decay, ">= 0")
         _check(int(warmup_steps) >= 0, "warmup_steps", warmup_steps, ">= 0")
@@ -129,7 +136,7 @@ class IntuitorModule(pl.LightningModule):
         _check(advantage_eps > 0, "advantage_eps", advantage_eps, "> 0")
         if reference_micro_batch_size is not None:
             _check(int(reference_micro_batch_size) >= 1, "reference_micro_batch_size", reference_micro_batch_size, ">= 1 or null")
-        self.save_hyperparameters(ignore=["model_config", "tokenizer", "checker"])
+        self.save_hyperparameters(ignore=["model_config", "tokenizer", "checker", "warm_start"])
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.checker = checker
@@ -144,6 +151,7 @@ class IntuitorModule(pl.LightningModule):
     # ------------------------------------------------------------------ setup
 
     def setup(self, stage: str) -> None:
+        warm_start_in_setup(self, self.model, self.warm_start, reference=self.reference)
         if self.checker is None and self._trainer is not None:
             datamodule = getattr(self.trainer, "datamodule", None)
             self.checker = getattr(datamodule, "checker", None)
@@ -238,7 +246,8 @@ class IntuitorModule(pl.LightningModule):
             certainty_tokens = linear_self_certainty(hidden.detach(), weight.detach(), temperature=hp.temperature, chunk_size=hp.chunk_size)
             certainty = masked_mean(scatter_response(certainty_tokens, positions), positions, dim=-1) - self._log_vocab()
             accuracy = self._accuracy(batch, rollout)
-            reward = certainty
+            # identical responses of a group get one reward, not rounding-noise rivals (see the function)
+            reward = share_rewards_of_identical_responses(certainty, rollout)
             if accuracy is not None and hp.accuracy_weight > 0:
                 reward = (1.0 - hp.accuracy_weight) * certainty + hp.accuracy_weight * accuracy
             advantages = group_advantages(reward, group, hp.advantage_eps)

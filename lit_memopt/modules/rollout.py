@@ -32,6 +32,7 @@ __all__ = [
     "sequence_token_logprobs",
     "reference_logprobs",
     "group_advantages",
+    "share_rewards_of_identical_responses",
     "masked_mean",
     "is_peft_model",
 ]
@@ -403,12 +404,39 @@ def reference_logprobs(
     return torch.cat(outputs, dim=0)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def share_rewards_of_identical_responses(rewards: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """``rewards`` ``[N]`` with the responses of a group that are token-for-token identical given their mean.
+
+    A reward is a function of the prompt and the response, but one computed in a batch (self-certainty from
+    the policy's hidden states) gives identical responses values that differ by rounding, depending on their
+    row and padding. Left alone, :func:`group_advantages` would rank identical responses against each other;
+    a confident policy samples many such groups and would be trained on rounding noise.
+    """
+    group = int(rollout.num_samples)
+    tokens = torch.where(rollout.response_mask, rollout.input_ids, -1)[:, rollout.prompt_length :]
+    out = rewards.clone()
+    for start in range(0, rewards.numel(), group):
+        rows = tokens[start : start + group]
+        _, labels = torch.unique(rows, dim=0, return_inverse=True)
+        if int(labels.max()) + 1 == rows.shape[0]:
+            continue  # all distinct
+        sums = torch.zeros(rows.shape[0], dtype=rewards.dtype, device=rewards.device).index_add_(0, labels, rewards[start : start + group])
+        counts = torch.bincount(labels, minlength=rows.shape[0]).to(rewards.dtype)
+        out[start : start + group] = (sums / counts.clamp_min(1))[labels]
+    return out
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, tie_tolerance: float = 1e-6) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's std (+ ``eps``).
 
     ``rewards`` is ``[N]`` with ``N = num_groups * group_size`` and the members of a group contiguous
     (the :func:`generate` layout). The std is the population std (``correction=0``), so a group of
     one, or a group whose rewards are all equal, gets advantages of exactly zero.
+
+    A group whose rewards differ only by float rounding (std <= ``tie_tolerance * max(1, |mean|)``) counts
+    as all equal: zero advantages. Dividing rounding noise by ``std + eps`` would make advantages of order
+    one out of nothing. Rewards computed in a batch (self-certainty) give identical responses values that
+    differ in their last bits: pass them through :func:`share_rewards_of_identical_responses` first.
 
     Raises:
         ValueError: on a bad ``group_size`` or a reward count that is not a multiple of it.
@@ -427,7 +455,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     grouped = rewards.float().view(-1, int(group_size))
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True, correction=0)
-    return ((grouped - mean) / (std + eps)).view(-1)
+    tied = std <= tie_tolerance * mean.abs().clamp_min(1.0)
+    return torch.where(tied, 0.0, (grouped - mean) / (std + eps)).view(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""A short supervised warm start of a policy before its RL phase, on examples of the recipe's own task family.
+
+RL methods improve a model that can already attempt the task: the papers start from pretrained checkpoints.
+The embedded defaults build a random-init model of a few M parameters, so each RL recipe that needs it
+first fits ``(prompt, answer)`` pairs drawn from the datamodule's synthetic task family (never its
+validation prompts), then runs the method. The weights are cached next to the run (or at a path the user
+gives) and reused when they exist, so a second run of the recipe skips the warm start.
+
+A datamodule offers its examples through ``warm_start_examples(count, seed) -> list[(prompt, answer)]``;
+the loss is the next-token negative log-likelihood of ``answer + eos`` after ``prompt`` (prompt tokens are
+not scored), computed with the fused head (:func:`lit_memopt.modules.sft.next_token_nll`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_memopt.models.tokens import left_pad
+from lit_memopt.modules.sft import next_token_nll
+
+__all__ = ["WarmStart", "ExampleSource", "fit_examples", "warm_start_policy", "copy_policy_into", "warm_start_in_setup"]
+
+ExampleSource = Callable[[int, int], list[tuple[str, str]]]
+IGNORE = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """How to warm-start a policy (``module.warm_start`` in the RL recipes).
+
+    Attributes:
+        steps: optimizer steps of the supervised phase; 0 turns the warm start off.
+        lr: AdamW learning rate (linear warm-up over the first 10% of steps, then cosine to 10%).
+        batch_size: examples per step.
+        path: weights file to reuse when it exists and to write otherwise; ``None``: ``warm_start.pt`` in the
+            run directory (a second run of the same recipe in the same directory reuses it).
+        seed: seed of the example draw and the batch order.
+    """
+
+    steps: int = 0
+    lr: float = 3e-3
+    batch_size: int = 32
+    path: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, ok, accepted in (
+            ("steps", isinstance(self.steps, int) and self.steps >= 0, "an integer >= 0"),
+            ("lr", isinstance(self.lr, (int, float)) and self.lr > 0, "> 0"),
+            ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an integer >= 1"),
+        ):
+            if not ok:
+                raise ValueError(f"module.warm_start.{name}={getattr(self, name)!r} is invalid: must be {accepted}.")
+
+    @classmethod
+    def from_any(cls, value: Any) -> "WarmStart":
+        """A ``WarmStart`` from ``None`` (off), a mapping of its fields (Hydra config) or a ``WarmStart``."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"module.warm_start has unknown keys {sorted(unknown)}; "
+                                 f"use {[f.name for f in dataclasses.fields(cls)]}.")
+            return cls(**dict(value))
+        raise ValueError(f"module.warm_start must be null or a mapping of {[f.name for f in dataclasses.fields(cls)]}, "
+                         f"got {type(value).__name__}.")
+
+
+def _encode(tokenizer: Any, pairs: list[tuple[str, str]], device: torch.device) -> dict[str, torch.Tensor]:
+    """``prompt + answer + eos`` rows, left-padded; labels are the answer and eos tokens only."""
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([a for _, a in pairs], add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    rows = [list(p) + list(a) + eos for p, a in zip(prompts, answers)]
+    label_rows = [[IGNORE] * len(p) + list(a) + eos for p, a in zip(prompts, answers)]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids, attention_mask = left_pad(rows, pad_id, device=device)
+    labels, _ = left_pad(label_rows, IGNORE, device=device)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def fit_examples(model: torch.nn.Module, tokenizer: Any, examples: ExampleSource, config: WarmStart,
+                 device: torch.device | None = None) -> list[float]:
+    """Train ``model`` in place on ``config.steps`` batches of fresh examples; returns the per-step losses."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    device = device or next(model.parameters()).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95))
+    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, config.steps // 10), config.steps, num_cycles=0.45)
+    # Fresh examples every step, drawn from a seed stream of their own: the family, never the validation set.
+    rng = random.Random(config.seed)
+    was_training = model.training
+    model.train()
+    losses = []
+    for _ in range(config.steps):
+        batch = _encode(tokenizer, examples(config.batch_size, rng.randrange(2**31)), device)
+        loss, _ = next_token_nll(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    model.train(was_training)
+    return losses
+
+
+def warm_start_policy(model: torch.nn.Module, tokenizer: Any, examples: ExampleSource | None, config: WarmStart,
+                      run_dir: str | Path | None, *, describe: str = "policy", cache: bool = True) -> str | None:
+    """Warm-start ``model`` in place: load cached weights when they exist, else fit and cache them.
+
+    Returns a one-line account of what happened (``None`` when ``config.steps == 0``). ``cache=False`` (several
+    processes: every rank fits the same examples from the same seed, so the weights agree without a file
+    race) neither reads nor writes the file.
+
+    Raises:
+        ValueError: the warm start is on but ``examples`` is ``None`` (the datamodule has no
+            ``warm_start_examples``), or a cached file does not match the model.
+    """
+    if config.steps == 0:
+        return None
+    if examples is None:
+        raise ValueError("module.warm_start.steps > 0 needs examples of the task: the datamodule has no "
+                         "warm_start_examples(count, seed); set module.warm_start.steps=0 or use a datamodule with one.")
+    path = Path(config.path) if config.path is not None else (Path(run_dir or ".") / "warm_start.pt")
+    if cache and path.is_file():
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as err:
+            raise ValueError(f"the warm-start weights at {path} do not fit this model ({str(err).splitlines()[0]}); "
+                             "delete the file, or point module.warm_start.path elsewhere.") from err
+        message = f"warm start: loaded {path} (delete it to warm-start again)"
+    else:
+        losses = fit_examples(model, tokenizer, examples, config)
+        head = sum(losses[:10]) / min(10, len(losses))
+        tail = sum(losses[-10:]) / min(10, len(losses))
+        message = f"warm start: {config.steps} supervised steps on the task family, loss {head:.3f} -> {tail:.3f}"
+        if cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)
+            message += f"; weights cached at {path}"
+    rank_zero_info(f"{describe} {message}")
+    return message
+
+
+def copy_policy_into(reference: torch.nn.Module, policy: torch.nn.Module) -> None:
+    """Load the (warm-started) policy's weights into its frozen reference copy (both unsharded: before
+    ``configure_model``)."""
+    reference.load_state_dict(policy.state_dict())
+
+
+def warm_start_in_setup(module: Any, model: torch.nn.Module, config: WarmStart,
+                        reference: torch.nn.Module | None = None) -> None:
+    """The warm start as a ``LightningModule.setup`` step: once per module, before any sharding or validation.
+
+    ``setup`` runs before ``configure_model`` (FSDP2 sharding) and before a ``validate`` that precedes ``fit``,
+    so the first held-out numbers are those of the warm-started policy. The model moves to the strategy's
+    device for the fit. Skipped when resuming (``trainer.ckpt_path``: the checkpoint holds the warm weights)
+    and when already done. Every rank fits the same examples from the same seed (no file shared between
+    processes); a single process caches the weights (``config.path`` or ``warm_start.pt`` in the run dir).
+    """
+    if config.steps == 0 or getattr(module, "_warm_started", False):
+        return
+    trainer = module.trainer
+    if trainer.ckpt_path is not None:
+        return
+    module._warm_started = True
+    model.to(trainer.strategy.root_device)
+    examples = getattr(trainer.datamodule, "warm_start_examples", None)
+    warm_start_policy(model, module.tokenizer, examples, config, trainer.default_root_dir,
+                      describe=type(module).__name__, cache=trainer.world_size == 1)
+    if reference is not None:
+        reference.to(trainer.strategy.root_device)
+        copy_policy_into(reference, model)

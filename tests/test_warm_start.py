@@ -1,0 +1,98 @@
+"""The supervised warm start of the RL recipes: it fits the task family, caches, reloads, and refuses bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_memopt.data.reasoning_prompts import ReasoningPromptsDataModule
+from lit_memopt.models import ModelConfig
+from lit_memopt.modules.sft import next_token_nll
+from lit_memopt.modules.warm_start import IGNORE, WarmStart, _encode, fit_examples, warm_start_policy
+
+
+def _config(layers: int = 2) -> ModelConfig:
+    return ModelConfig(name="micro", arch={
+        "model_type": "qwen3", "vocab_size": 384, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "max_position_embeddings": 128, "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1})
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    cfg = _config()
+    tok = cfg.build_tokenizer()
+    dm = ReasoningPromptsDataModule(tok, task="strings", num_train=16, num_val=32, max_word_length=3)
+    return cfg, tok, dm
+
+
+def test_examples_are_the_task_family_and_never_the_held_out_prompts(setup):
+    _, _, dm = setup
+    pairs = dm.warm_start_examples(400, seed=3)
+    assert len(pairs) == 400 and pairs == dm.warm_start_examples(400, seed=3)
+    held_out = set(dm.val_set.prompts)
+    assert not held_out & {p for p, _ in pairs}
+    for prompt, answer in pairs:
+        word = prompt.split(" ", 1)[1].rstrip("=")
+        assert answer == (word if prompt.startswith("copy") else word[::-1])
+        assert dm.checker(answer, answer) == 1.0
+
+
+def test_only_the_answer_and_eos_are_scored(setup):
+    cfg, tok, _ = setup
+    batch = _encode(tok, [("copy ab=", "ab"), ("reverse abc=", "cba")], torch.device("cpu"))
+    for row, labels in zip(batch["input_ids"], batch["labels"]):
+        scored = row[labels != IGNORE].tolist()
+        assert scored[-1] == tok.eos_token_id
+    assert tok.decode(batch["input_ids"][0][batch["labels"][0] != IGNORE][:-1]) == "ab"
+    assert tok.decode(batch["input_ids"][1][batch["labels"][1] != IGNORE][:-1]) == "cba"
+    # left padding: the shorter row starts with pads that are neither attended nor scored
+    assert batch["attention_mask"][0, 0] == 0 and batch["labels"][0, 0] == IGNORE
+
+
+def test_warm_start_lowers_the_loss_on_fresh_examples(setup):
+    cfg, tok, dm = setup
+    model = cfg.build_model()
+    held = _encode(tok, dm.warm_start_examples(64, seed=999), torch.device("cpu"))
+    with torch.no_grad():
+        before = next_token_nll(model, held)[0].item()
+    losses = fit_examples(model, tok, dm.warm_start_examples, WarmStart(steps=60, lr=3e-3, batch_size=16))
+    with torch.no_grad():
+        after = next_token_nll(model, held)[0].item()
+    assert len(losses) == 60
+    assert after < 0.75 * before, (before, after)
+
+
+def test_weights_are_cached_reused_and_checked(setup, tmp_path):
+    cfg, tok, dm = setup
+    config = WarmStart(steps=3, batch_size=4)
+    model = cfg.build_model()
+    message = warm_start_policy(model, tok, dm.warm_start_examples, config, tmp_path)
+    assert "3 supervised steps" in message and (tmp_path / "warm_start.pt").is_file()
+    fresh = cfg.build_model()
+    message = warm_start_policy(fresh, tok, dm.warm_start_examples, config, tmp_path)
+    assert message.startswith("warm start: loaded")
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    # cache=False (several processes) neither reads nor writes the file: it trains again
+    third = cfg.build_model()
+    assert "supervised steps" in warm_start_policy(third, tok, dm.warm_start_examples, config, tmp_path, cache=False)
+    # a file of another architecture: a clear error, the file kept
+    with pytest.raises(ValueError, match="do not fit this model"):
+        warm_start_policy(_config(layers=1).build_model(), tok, dm.warm_start_examples, config, tmp_path)
+    assert (tmp_path / "warm_start.pt").is_file()
+    assert warm_start_policy(model, tok, dm.warm_start_examples, WarmStart(steps=0), tmp_path) is None
+
+
+def test_bad_settings_are_named(setup, tmp_path):
+    cfg, tok, _ = setup
+    for bad, name in (({"steps": -1}, "steps"), ({"lr": 0}, "lr"), ({"batch_size": 0}, "batch_size")):
+        with pytest.raises(ValueError, match=f"warm_start.{name}"):
+            WarmStart.from_any(bad)
+    with pytest.raises(ValueError, match="unknown keys"):
+        WarmStart.from_any({"stepz": 3})
+    with pytest.raises(ValueError, match="mapping"):
+        WarmStart.from_any(5)
+    with pytest.raises(ValueError, match="warm_start_examples"):
+        warm_start_policy(cfg.build_model(), tok, None, WarmStart(steps=2), tmp_path)
