@@ -192,3 +192,60 @@ def test_role_adapters_each_role_trains_its_own() -> None:
     _trainer(1).fit(module, datamodule=CodeTaskDataModule(module.tokenizer, batch_size=2))
     changed = {adapter_of(n) for n, p in module.model.named_parameters() if "lora_" in n and not torch.equal(p, before[n])}
     assert changed == {"propose", "solve", "critique"}
+
+
+# ------------------------------------------------------------------------------- exact under an OOM split
+class _CRSPGrads(pl.Callback):
+    """The trainable gradients right before the (manual) optimizer step."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module, optimizer) -> None:
+        self.grads = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+
+
+_LENGTHS: list[int] = []
+
+
+def _crsp_step(monkeypatch, split: bool):
+    from lit_memopt.callbacks import MemoryMonitor, OOMRecovery
+    from lit_memopt.memory import memory_budget
+    from lit_memopt.modules import crsp as crsp_module
+
+    original = crsp_module.response_hidden_states
+
+    def oom_on_more_than_two_rows(model, input_ids, *args, **kwargs):
+        # The policy forward of a role's loss runs out of memory on micro-batches of more than 2 sequences.
+        if torch.is_grad_enabled():
+            _LENGTHS.extend(args[1].sum(dim=-1).tolist())  # response tokens per sequence
+        if split and torch.is_grad_enabled() and input_ids.shape[0] > 2:
+            with memory_budget(0):
+                torch.empty(1024)
+        return original(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(crsp_module, "response_hidden_states", oom_on_more_than_two_rows)
+    torch.manual_seed(0)
+    module = _module(micro_batch_size=4)
+    with torch.no_grad():
+        # A large random EOS embedding (tied head): responses end at varied lengths, so that token and sample
+        # weighting differ (with equal lengths a wrong weighting would pass unnoticed).
+        eos = module.tokenizer.eos_token_id
+        module.model.get_input_embeddings().weight[eos] = 0.3 * torch.randn(ARCH["hidden_size"], generator=torch.Generator().manual_seed(1))
+    grads, recovery = _CRSPGrads(), OOMRecovery(grow_after_steps=None)
+    trainer = pl.Trainer(max_steps=1, gradient_clip_val=None, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, accelerator="cpu",
+                         callbacks=[MemoryMonitor(), recovery, grads])  # the recipe's default callbacks
+    trainer.fit(module, datamodule=CodeTaskDataModule(module.tokenizer, batch_size=2))
+    return grads.grads, recovery
+
+
+def test_a_step_split_by_an_oom_equals_the_unsplit_step(monkeypatch) -> None:
+    """Token-mean role losses: the pieces of a split micro-batch are weighted by their response tokens."""
+    unsplit, calm = _crsp_step(monkeypatch, split=False)
+    assert len(set(_LENGTHS)) > 2, _LENGTHS  # responses of several lengths
+    split, recovery = _crsp_step(monkeypatch, split=True)
+    assert calm.oom_events == 0 and recovery.oom_events >= 1  # the split run really was split
+    assert unsplit and unsplit.keys() == split.keys()
+    for name in unsplit:
+        torch.testing.assert_close(split[name], unsplit[name], rtol=1e-5, atol=1e-7, msg=name)
