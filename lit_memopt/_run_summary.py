@@ -79,7 +79,8 @@ def print_summary(result: dict[str, Any]) -> None:
         table.add_row(key, f"{stats['start']:.4f}", f"{stats['end']:.4f}")
     if result["command"] == "validate":
         for key, value in result["final_metrics"].items():
-            table.add_row(key, "", f"{value:.4f}")
+            if key not in result["metrics"]:  # the recorded ones are in the table already
+                table.add_row(key, "", f"{value:.4f}")
     console.print(table)
     console.print(f"steps: {result['global_step']}   time: {result['seconds']:.1f} s")
     console.print(f"run directory: {result['run_dir']}")
