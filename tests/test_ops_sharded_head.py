@@ -98,6 +98,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
            "untied/weight": head.weight.grad.full_tensor(), "grad_is_sharded": isinstance(head.weight.grad, DTensor)}
     out.update({f"tied/{n}": p.grad.full_tensor() for n, p in tied.named_parameters()})
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    # Neither rank tears its gloo pairs down while the other may still be finishing the last collective's
+    # sends (that race aborted a CI run: "terminate called without an active exception" on both ranks).
+    dist.barrier()
     dist.destroy_process_group()
 
 
