@@ -25,7 +25,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 # Report order; any other case module found in this folder runs after these, alphabetically.
-CASE_ORDER = ("ops", "callback_overhead", "oom_overhead", "grade", "ttt", "crsp", "sandbox", "intuitor", "estimates")
+CASE_ORDER = ("ops", "peers", "callback_overhead", "oom_overhead", "grade", "ttt", "crsp", "sandbox", "intuitor", "estimates")
 _NOT_CASES = {"__init__", "__main__", "plots", "report"}
 
 

@@ -1,0 +1,79 @@
+"""The peers benchmark's comparison functions: lit-memopt against float64, absent peers reported
+(the bench extra is not installed in CI, so every test here passes without the peers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import peers
+
+TINY = {"tokens": 64, "hidden": 32, "vocab": 500}
+
+
+def _missing_peer() -> dict:
+    raise ImportError("No module named 'not_a_peer'")
+
+
+@pytest.fixture
+def only_a_missing_peer(monkeypatch: pytest.MonkeyPatch) -> dict[str, peers.Peer]:
+    monkeypatch.setattr(peers, "PEER_LOADERS", {"TRL chunked": ("not-a-peer", _missing_peer)})
+    return peers.load_peers()
+
+
+def test_a_peer_that_cannot_import_is_absent_with_its_error(only_a_missing_peer: dict[str, peers.Peer]) -> None:
+    peer = only_a_missing_peer["TRL chunked"]
+    assert not peer.available and peer.version is None
+    assert peer.error == "ImportError: No module named 'not_a_peer'"
+    c = peers.compare("logprobs", torch.float32, TINY, 1, only_a_missing_peer, sequence_length=16)
+    assert [r["method"] for r in c["rows"]] == [peers.NAIVE, peers.LIT_EXACT]
+    assert c["absent"] == [{"peer": "TRL chunked", "method": "TRL ChunkedLogProbFunction", "error": peer.error}]
+
+
+@pytest.mark.parametrize("op", ["logprobs", "logprobs_entropy", "grpo"])
+def test_lit_memopt_exact_matches_float64(op: str, only_a_missing_peer: dict[str, peers.Peer]) -> None:
+    c = peers.compare(op, torch.float32, TINY, 0, only_a_missing_peer, sequence_length=16)
+    rows = {r["method"]: r for r in c["rows"]}
+    scale = c["reference_scale"]
+    lit = rows[peers.LIT_EXACT]
+    assert lit["value_err"] <= 1e-5 * max(1.0, scale["value_max"])
+    assert lit["grad_hidden_err"] <= 1e-5 * scale["grad_hidden_max"]
+    assert lit["grad_weight_err"] <= 1e-5 * scale["grad_weight_max"]
+
+
+def test_bf16_exact_is_more_accurate_than_full_bf16_logits(only_a_missing_peer: dict[str, peers.Peer]) -> None:
+    c = peers.compare("logprobs_entropy", torch.bfloat16, TINY, 0, only_a_missing_peer, sequence_length=16)
+    rows = {r["method"]: r for r in c["rows"]}
+    # "exact" multiplies fp32 tiles: only the inputs' rounding remains, far below bf16 logits' error.
+    assert rows[peers.LIT_EXACT]["value_err"] < 1e-4 < rows[peers.NAIVE]["value_err"]
+    # "fast" rounds logits to bf16 like the naive path, and no worse than it.
+    assert rows[peers.LIT_FAST]["value_err"] <= 2 * rows[peers.NAIVE]["value_err"]
+
+
+def test_quick_run_reports_targets_and_absent_peers(only_a_missing_peer: dict[str, peers.Peer]) -> None:
+    result = peers.run(quick=True, write=False, ops=("logprobs",), fake=False)
+    assert [p["error"] for p in result["peers"]] == ["ImportError: No module named 'not_a_peer'"]
+    fp32 = next(c for c in result["time"] if c["dtype"] == "float32")
+    assert all(r["ratio_vs_naive"] > 0 for r in fp32["rows"])
+    by_target = {v["target"]: v for v in result["targets"]}
+    # No Cut Cross-Entropy and no peer at all: the targets are not judged, and say why.
+    assert by_target["bf16 logprobs: fast <= 1.0x Cut Cross-Entropy time, errors no larger"]["met"] is None
+    assert by_target["fp32 logprobs: <= 1.0x the fastest peer"]["met"] is None
+    markdown = peers.to_markdown(result)
+    assert "**absent** — `ImportError: No module named 'not_a_peer'`" in markdown
+
+
+def test_judge_compares_with_the_peer_in_the_same_repetitions() -> None:
+    row = {"value_err": 1e-3, "grad_hidden_err": 1e-3, "grad_weight_err": 1e-3}
+    result = {
+        "time": [{
+            "op": "logprobs", "dtype": "bfloat16", "times": {peers.LIT_FAST: [2.0, 2.2, 2.0], "cce": [1.0, 2.0, 1.0]},
+            "rows": [{"method": peers.LIT_FAST, **row}, {"method": "cce", "peer": "Cut Cross-Entropy", **row}],
+        }],
+        "memory_fake": [],
+    }
+    (verdict,) = peers.judge(result)
+    assert verdict["ratio"] == pytest.approx(2.0) and verdict["met"] is False
+    result["time"][0]["times"][peers.LIT_FAST] = [0.9, 1.0, 0.9]
+    (verdict,) = peers.judge(result)
+    assert verdict["met"] is True
