@@ -37,4 +37,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 echo "[setup] installing lit-memopt[test] (editable)"
 pip_install -e ".[test]"
+if [ "${WITH_BENCH:-0}" = 1 ]; then
+  # The peers of benchmarks/peers.py (the `bench` extra), without their dependencies so that torch is
+  # never replaced; then the small packages TRL's trainer utilities import. None of them asks for torch.
+  echo "[setup] installing the benchmark peers (--no-deps)"
+  pip_install --no-deps cut-cross-entropy liger-kernel trl
+  pip_install --no-deps datasets pandas pyarrow dill xxhash multiprocess
+fi
 "$PY" -c "import torch, lightning, lit_memopt; print(f'[setup] ready: torch {torch.__version__}, lightning {lightning.__version__}, lit-memopt {lit_memopt.__version__}')"
