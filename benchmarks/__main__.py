@@ -419,7 +419,7 @@ def render(json_path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the cases; write ``results/<device>.{json,md}`` and plots; 1 if any case failed (or, with ``--strict``, missed a target)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes and few repetitions: about 11 minutes on a 2-core CPU")
+    parser.add_argument("--quick", action="store_true", help="small shapes and few repetitions: about 13 minutes on a 2-core CPU")
     parser.add_argument("--only", default=None, help="comma-separated case names (default: all); see --list")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--out", default=str(RESULTS_DIR), help="folder for <device>.json/.md and the plots")

@@ -649,12 +649,20 @@ def report_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c in result["time"]:
         for r in c["rows"]:
-            if "median_s" not in r or r["method"] == NAIVE:
+            if "median_s" not in r or r["method"] == NAIVE or r.get("peer"):  # the peers' own rows: peers_<device>.md
                 continue
             naive_s = next(x["median_s"] for x in c["rows"] if x["method"] == NAIVE)
             rows.append({"metric": f"{c['op']} {c['dtype']} {r['method']}: CPU time, one thread", "baseline": naive_s,
                          "optimized": r["median_s"], "unit": "s", "ratio": r["ratio_vs_naive"], "target": "", "pass": None,
                          "baseline_label": "naive"})
+    for m in result["memory_fake"]:
+        naive = m["methods"].get(NAIVE, {}).get("extra_bytes")
+        for name in (LIT_EXACT, LIT_FAST):
+            ours = m["methods"].get(name, {}).get("extra_bytes")
+            if ours is not None and naive:
+                rows.append({"metric": f"{m['op']} {name}: extra memory, fake tensors ({_shape_str(m['shape'])}, bf16)",
+                             "baseline": naive, "optimized": ours, "unit": "bytes", "ratio": ours / naive, "target": "",
+                             "pass": None, "baseline_label": "naive"})
     for v in result["targets"]:
         rows.append({"metric": f"target: {v['target']} ({v['detail']})", "baseline": None, "optimized": None, "unit": "",
                      "ratio": v.get("ratio"), "target": "", "pass": v["met"], "baseline_label": "peer"})
