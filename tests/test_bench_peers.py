@@ -67,7 +67,7 @@ def test_judge_compares_with_the_peer_in_the_same_repetitions() -> None:
     row = {"value_err": 1e-3, "grad_hidden_err": 1e-3, "grad_weight_err": 1e-3}
     result = {
         "time": [{
-            "op": "logprobs", "dtype": "bfloat16", "times": {peers.LIT_FAST: [2.0, 2.2, 2.0], "cce": [1.0, 2.0, 1.0]},
+            "op": "logprobs", "dtype": "bfloat16", "shape": peers.TIME_SHAPE, "times": {peers.LIT_FAST: [2.0, 2.2, 2.0], "cce": [1.0, 2.0, 1.0]},
             "rows": [{"method": peers.LIT_FAST, **row}, {"method": "cce", "peer": "Cut Cross-Entropy", **row}],
         }],
         "memory_fake": [],
@@ -77,3 +77,9 @@ def test_judge_compares_with_the_peer_in_the_same_repetitions() -> None:
     result["time"][0]["times"][peers.LIT_FAST] = [0.9, 1.0, 0.9]
     (verdict,) = peers.judge(result)
     assert verdict["met"] is True
+    result["time"][0]["rows"][0]["grad_hidden_err"] = 2e-3  # faster, but less exact than the peer
+    (verdict,) = peers.judge(result)
+    assert verdict["met"] is False
+    result["time"][0]["shape"] = peers.TIME_SHAPE_QUICK  # the targets are defined at the full shape only
+    (verdict,) = peers.judge(result)
+    assert verdict["met"] is None
