@@ -162,7 +162,7 @@ def test_scripted_policy_gets_execution_decided_rewards(monkeypatch) -> None:
     }
     original = module._generate
 
-    def scripted(role, prompts, num_samples, max_new_tokens):
+    def scripted(role, prompts, num_samples, max_new_tokens, stream=""):
         rollout, texts = original(role, prompts, num_samples, max_new_tokens)
         script = scripts[role]
         return rollout, [script[i % len(script)] for i in range(len(texts))]

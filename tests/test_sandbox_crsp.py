@@ -53,7 +53,7 @@ def test_crsp_step_survives_hostile_proposals(monkeypatch, tmp_path) -> None:
     original = module._generate
     seen_outputs: list[str] = []
 
-    def scripted(role, prompts, num_samples, max_new_tokens):
+    def scripted(role, prompts, num_samples, max_new_tokens, stream=""):
         rollout, texts = original(role, prompts, num_samples, max_new_tokens)
         if role == "propose":
             return rollout, [proposals[i % len(proposals)] for i in range(len(texts))]

@@ -90,6 +90,22 @@ TASK_BANK: tuple[CodeTask, ...] = (
 )
 
 
+class _GrammarSampler(Dataset):
+    """``length`` seeded training tasks of the grammar family (none contains a held-out pair)."""
+
+    def __init__(self, length: int, seed: int) -> None:
+        self.length = int(length)
+        self.seed = int(seed)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> CodeTask:
+        from lit_memopt.data.code_grammar import sample_task  # the grammar module builds on CodeTask
+
+        return sample_task(random.Random(self.seed * 1_000_003 + int(index)), held_out=False)
+
+
 class _TaskSampler(Dataset):
     """``length`` seeded draws from the bank (a map-style dataset: reproducible and resumable)."""
 
@@ -111,22 +127,33 @@ def _collate(tasks: list[CodeTask]) -> dict[str, Any]:
     return {"task_index": torch.tensor([TASK_BANK.index(t) if t in TASK_BANK else -1 for t in tasks]), "tasks": tasks}
 
 
+FAMILIES = ("bank", "grammar")
+
+
 class CodeTaskDataModule(pl.LightningDataModule):
-    """Batches of seed tasks from :data:`TASK_BANK` for CRSP (offline, deterministic).
+    """Batches of seed tasks for CRSP (offline, deterministic): the built-in bank or the grammar family.
 
     Each batch is ``{"task_index": LongTensor[B], "tasks": list[CodeTask]}`` (indices into
-    :data:`TASK_BANK`): the proposer is shown each task as an example, and the solver and critique
-    roles fall back to it when a proposal is invalid.
+    :data:`TASK_BANK`, -1 for grammar tasks): the proposer is shown each task as an example, and the
+    solver and critique roles fall back to it when a proposal is invalid.
+
+    ``family="bank"``: :data:`TASK_BANK` (real little programs; for pretrained models).
+    ``family="grammar"``: one-line functions of :mod:`lit_memopt.data.code_grammar`, learnable by a
+    tiny model after a warm start; validation uses its held-out ``(program, input)`` pairs, and
+    :meth:`warm_start_tasks` gives fresh training tasks with their outputs for a supervised warm start.
 
     Args:
         tokenizer: unused (kept for the CLI's uniform ``DataModule(tokenizer, ...)`` contract).
         batch_size: seed tasks per step.
         num_samples: draws per epoch (the loader cycles through epochs as needed).
         seed: sampling seed.
-        tasks: restrict the bank to these task names (``None``: all of it).
+        tasks: restrict the bank to these task names (``None``: all of it; bank family only).
+        family: ``"bank"`` or ``"grammar"``.
+        num_val: validation tasks (``None``: ``max(batch_size, 8)`` for the bank, 48 for the grammar).
 
     Raises:
-        ValueError: non-positive ``batch_size``/``num_samples``, or unknown names in ``tasks``.
+        ValueError: non-positive ``batch_size``/``num_samples``/``num_val``, an unknown ``family``, or
+            unknown names in ``tasks``.
 
     Example::
 
@@ -142,8 +169,16 @@ class CodeTaskDataModule(pl.LightningDataModule):
         num_samples: int = 10_000,
         seed: int = 0,
         tasks: Sequence[str] | None = None,
+        family: str = "bank",
+        num_val: int | None = None,
     ) -> None:
         super().__init__()
+        if family not in FAMILIES:
+            raise ValueError(f"data.family={family!r} is not supported; use one of {list(FAMILIES)}.")
+        if family == "grammar" and tasks is not None:
+            raise ValueError("data.tasks selects bank tasks; it does not apply to data.family=grammar (set it to null).")
+        if num_val is not None and int(num_val) < 1:
+            raise ValueError(f"data.num_val must be a positive integer or null, got {num_val!r}.")
         if int(batch_size) < 1:
             raise ValueError(f"data.batch_size must be a positive integer, got {batch_size!r}.")
         if int(num_samples) < 1:
@@ -158,10 +193,32 @@ class CodeTaskDataModule(pl.LightningDataModule):
         self.num_samples = int(num_samples)
         self.seed = int(seed)
         self.tasks = [t for t in TASK_BANK if tasks is None or t.name in set(tasks)]
+        self.family = family
+        self.num_val = int(num_val) if num_val is not None else (48 if family == "grammar" else max(self.batch_size, 8))
 
     def setup(self, stage: str | None = None) -> None:
-        self.train_set = _TaskSampler(self.tasks, self.num_samples, self.seed)
-        self.val_set = _TaskSampler(self.tasks, max(self.batch_size, 8), self.seed + 1)
+        if self.family == "grammar":
+            from lit_memopt.data.code_grammar import held_out_tasks
+
+            self.train_set = _GrammarSampler(self.num_samples, self.seed)
+            self.val_set = held_out_tasks(self.num_val, self.seed + 1)
+        else:
+            self.train_set = _TaskSampler(self.tasks, self.num_samples, self.seed)
+            self.val_set = _TaskSampler(self.tasks, self.num_val, self.seed + 1)
+
+    def warm_start_tasks(self, count: int, seed: int) -> list[CodeTask]:
+        """``count`` fresh grammar tasks with their outputs (``task.meta["outputs"]``), none held out.
+
+        Raises:
+            ValueError: ``family="bank"`` (bank outputs exist only by execution; the bank is for
+                pretrained models, which need no warm start).
+        """
+        if self.family != "grammar":
+            raise ValueError("a CRSP warm start needs data.family=grammar (tasks whose outputs are known); "
+                             "set data.family=grammar or module.warm_start.steps=0.")
+        from lit_memopt.data.code_grammar import sample_tasks
+
+        return sample_tasks(count, seed)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate)

@@ -52,9 +52,10 @@ from lit_memopt.rewards.crsp_rewards import (
 from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
 from lit_memopt.models.adapters import active_adapter
 from lit_memopt.models.sharding import shard_for_fsdp2
+from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
 from lit_memopt.seeding import derive_seed
 
-__all__ = ["CRSPModule", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
+__all__ = ["CRSPModule", "warm_start_pairs", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
 
 
 
@@ -125,6 +126,11 @@ class CRSPModule(pl.LightningModule):
         role_adapters: one LoRA adapter per role.
         chunk_size: fused-head tile (``None``: automatic).
         seed: base seed of sampling and task-kind draws.
+        warm_start: a supervised warm start of all three roles on the datamodule's grammar tasks
+            (``CodeTaskDataModule(family="grammar")``) before RL; see :meth:`warm_start_examples`
+            (:class:`~lit_memopt.modules.warm_start.WarmStart` or its fields; ``None``: off).
+        val_solver_samples: answers sampled per held-out task in validation (``val/solve_rate`` is
+            their mean: pass@1 at the sampling temperature).
 
     Raises:
         ValueError: any argument outside its accepted range (named in the message), or
@@ -137,7 +143,8 @@ class CRSPModule(pl.LightningModule):
     """
 
     summary_keys = ("train/reward_propose", "train/reward_solve", "train/reward_critique", "train/solve_rate",
-                    "train/proposal_valid_rate", "train/sandbox_cache_hit_rate", "val/solve_rate")
+                    "train/proposal_valid_rate", "train/sandbox_cache_hit_rate", "val/solve_rate",
+                    "val/proposal_valid_rate")
 
     def __init__(
         self,
@@ -173,8 +180,15 @@ class CRSPModule(pl.LightningModule):
         role_adapters: bool = False,
         chunk_size: int | None = None,
         seed: int = 0,
+        warm_start: dict[str, Any] | WarmStart | None = None,
+        val_solver_samples: int = 1,
     ) -> None:
         super().__init__()
+        self.warm_start = WarmStart.from_any(warm_start)
+        _check(int(val_solver_samples) >= 1, "val_solver_samples", val_solver_samples, "an integer >= 1")
+        if self.warm_start.steps and getattr(model_config, "lora", None) is not None:
+            raise ValueError("module.warm_start trains the whole policy, but with model.lora the reference is the "
+                             "untrained base under disable_adapter(): set model.lora=null, or module.warm_start.steps=0.")
         for name, value in (("beta_propose", beta_propose), ("beta_solve", beta_solve), ("beta_critique", beta_critique)):
             _check(value >= 0, name, value, ">= 0")
         _check(lr > 0, "lr", lr, "> 0")
@@ -192,7 +206,7 @@ class CRSPModule(pl.LightningModule):
         _check(gradient_clip_val is None or gradient_clip_val > 0, "gradient_clip_val", gradient_clip_val, "> 0 or null")
         if role_adapters and getattr(model_config, "lora", None) is None:
             raise ValueError("module.role_adapters=true needs LoRA adapters: set model.lora (e.g. {r: 8}).")
-        self.save_hyperparameters(ignore=["model_config", "tokenizer"])
+        self.save_hyperparameters(ignore=["model_config", "tokenizer", "warm_start"])
         self.automatic_optimization = False
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -225,6 +239,8 @@ class CRSPModule(pl.LightningModule):
             self.sandbox = Sandbox(SandboxLimits(wall_time_s=hp.sandbox_wall_time_s, cpu_time_s=hp.sandbox_cpu_time_s,
                                                  memory_mb=hp.sandbox_memory_mb), max_workers=int(hp.sandbox_workers),
                                    require=hp.get("sandbox_require", ()))
+        # Before sharding and before a validation that precedes fit: the first held-out numbers are the warm start's.
+        warm_start_in_setup(self, self.model, self.warm_start, reference=self.reference, examples=self.warm_start_examples)
         if stage == "fit":
             clip = getattr(self.trainer, "gradient_clip_val", None) if self._trainer is not None else None
             if clip is not None:
@@ -261,14 +277,17 @@ class CRSPModule(pl.LightningModule):
         """The role's LoRA adapter active inside the block (the previous one restored after it)."""
         return active_adapter(self.model, role if self.hparams.role_adapters else None)
 
-    def _seed(self, role: str) -> int:
-        # distinct per rank, step and role; the same on a resumed or retried step
-        return derive_seed(self.hparams.seed, rank=self.global_rank, step=self.global_step, stream=f"crsp/{role}")
+    def _seed(self, role: str, stream: str = "") -> int:
+        # distinct per rank, step, role (and validation batch); the same on a resumed or retried step
+        return derive_seed(self.hparams.seed, rank=self.global_rank, step=self.global_step,
+                           stream=f"crsp/{stream}/{role}" if stream else f"crsp/{role}")
 
-    def _generate(self, role: str, prompts: list[str], num_samples: int, max_new_tokens: int) -> tuple[Rollout, list[str]]:
+    def _generate(self, role: str, prompts: list[str], num_samples: int, max_new_tokens: int,
+                  stream: str = "") -> tuple[Rollout, list[str]]:
         with self._role(role):
             rollout = generate(self.model, prompts, tokenizer=self.tokenizer, num_samples=num_samples,
-                               max_new_tokens=max_new_tokens, temperature=self.hparams.temperature, seed=self._seed(role))
+                               max_new_tokens=max_new_tokens, temperature=self.hparams.temperature,
+                               seed=self._seed(role, stream))
         return rollout, rollout.decode_responses(self.tokenizer)
 
     def _total_steps(self) -> int:
@@ -283,14 +302,15 @@ class CRSPModule(pl.LightningModule):
         return len(self.tokenizer(think_text(text), add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------------------ the roles
-    def _propose(self, batch: list[CodeTask]) -> tuple[Rollout, list[str], list[_Task | None], list[_Task]]:
+    def _propose(self, batch: list[CodeTask], stream: str = "") -> tuple[Rollout, list[str], list[_Task | None], list[_Task]]:
         """Proposer rollouts, the valid proposals (``None`` where invalid) and the bank fallback tasks."""
         sandbox = self.sandbox
         assert sandbox is not None
         examples = sandbox.run_many([(call_program(t.program, t.inputs[0]), "") for t in batch])
         prompts = [_propose_prompt(t, v.stdout.strip()) for t, v in zip(batch, examples)]
-        rollout, texts = self._generate("propose", prompts, 1, int(self.hparams.max_new_tokens_propose))
-        rng = random.Random(self._seed("solve"))
+        rollout, texts = self._generate("propose", prompts, 1, int(self.hparams.max_new_tokens_propose),
+                                            stream=stream)
+        rng = random.Random(self._seed("solve", stream))
         kinds = ["function" if rng.random() < self.hparams.function_task_ratio else "output" for _ in batch]
 
         parsed = [parse_proposal(text) for text in texts]
@@ -487,19 +507,71 @@ class CRSPModule(pl.LightningModule):
         return total_loss
 
     def validation_step(self, batch: dict[str, Any] | list[CodeTask], batch_idx: int) -> None:
-        """Solve rate of the output-prediction task on bank tasks (one sample each)."""
+        """Held-out solve rate (output prediction, ``val_solver_samples`` answers per task) and proposal validity."""
         batch = _tasks_of(batch)
         sandbox = self.sandbox
         assert sandbox is not None
+        n = int(self.hparams.get("val_solver_samples", 1))
         verdicts = sandbox.run_many([(batch_call_program(t.program, t.inputs), "") for t in batch])
         tasks = [_Task(t.program, list(t.inputs), _split_list_repr(v.stdout.strip(), len(t.inputs)) or [""], "output", "bank")
                  for t, v in zip(batch, verdicts)]
-        _, texts = self._generate("solve", [_solve_prompt(t) for t in tasks], 1, int(self.hparams.max_new_tokens_solve))
-        for task, text in zip(tasks, texts):
-            task.answers = [text]
+        _, texts = self._generate("solve", [_solve_prompt(t) for t in tasks], n, int(self.hparams.max_new_tokens_solve),
+                                  stream=f"val/{batch_idx}")
+        for i, task in enumerate(tasks):
+            task.answers = texts[i * n:(i + 1) * n]
         self._check_answers(tasks)
-        rate = sum(t.correct[0] for t in tasks) / len(tasks)
+        rate = sum(sum(t.correct) for t in tasks) / (n * len(tasks))
+        _, _, proposals, _ = self._propose(batch, stream=f"val/{batch_idx}")
+        valid = sum(p is not None for p in proposals) / len(batch)
         self.log("val/solve_rate", torch.tensor(rate, device=self.device), batch_size=len(batch), sync_dist=True)
+        self.log("val/proposal_valid_rate", torch.tensor(valid, device=self.device), batch_size=len(batch),
+                 sync_dist=True)
+
+    # ------------------------------------------------------------------------------ warm start
+    def warm_start_examples(self, count: int, seed: int) -> list[tuple[str, str]]:
+        """``count`` warm-start pairs (:func:`warm_start_pairs`) on fresh tasks of the datamodule's ``warm_start_tasks``.
+
+        Raises:
+            ValueError: the datamodule offers no ``warm_start_tasks`` (e.g. not ``CodeTaskDataModule``).
+        """
+        source = getattr(self.trainer.datamodule, "warm_start_tasks", None) if self._trainer is not None else None
+        if source is None:
+            raise ValueError("a CRSP warm start needs CodeTaskDataModule(family='grammar') (data=code_tasks "
+                             "data.family=grammar); or set module.warm_start.steps=0.")
+        return warm_start_pairs(source(2 * count, seed), random.Random(seed), float(self.hparams.function_task_ratio))
+
+
+def warm_start_pairs(tasks: list[CodeTask], rng: random.Random, function_task_ratio: float) -> list[tuple[str, str]]:
+    """``(prompt, answer)`` pairs of the three roles in CRSP's text protocol, one per two tasks with known outputs
+    (``task.meta["outputs"]``; the second task of each two is the proposer's example or a source of wrong answers):
+
+    - propose (15%): the example -> the task's program and its ``Input:`` lines;
+    - solve (65%, split by ``function_task_ratio``): predict ``f(input)`` -> ``<answer>output</answer>``, or write
+      ``f`` from the input/output pairs -> the program;
+    - critique (20%): the task with a correct or a wrong output (another input's) -> ``Verdict: correct|incorrect``.
+    """
+    roles = ("propose", "output", "function", "critique")
+    weights = (0.15, 0.65 * (1 - function_task_ratio), 0.65 * function_task_ratio, 0.2)
+    pairs: list[tuple[str, str]] = []
+    for task, other in zip(tasks[0::2], tasks[1::2]):
+        outputs = list(task.meta["outputs"])
+        role = rng.choices(roles, weights)[0]
+        if role == "propose":
+            inputs = "".join(f"Input: {i}\n" for i in task.inputs)
+            pairs.append((_propose_prompt(other, other.meta["outputs"][0]), f"```python\n{task.program}```\n{inputs}"))
+            continue
+        solvable = _Task(task.program, list(task.inputs), outputs, "function" if role == "function" else "output",
+                         task.source)
+        if role == "output":
+            pairs.append((_solve_prompt(solvable), f"<answer>{outputs[0]}</answer>"))
+        elif role == "function":
+            pairs.append((_solve_prompt(solvable), f"```python\n{task.program}```"))
+        else:
+            wrong = [o for o in outputs[1:] + list(other.meta["outputs"]) if o != outputs[0]]
+            correct = rng.random() < 0.5 or not wrong
+            shown = outputs[0] if correct else rng.choice(wrong)
+            pairs.append((_critique_prompt(solvable, shown), f"Verdict: {'correct' if correct else 'incorrect'}"))
+    return pairs
 
 
 def _tasks_of(batch: dict[str, Any] | list[CodeTask]) -> list[CodeTask]:

@@ -161,13 +161,14 @@ def copy_policy_into(reference: torch.nn.Module, policy: torch.nn.Module) -> Non
 
 
 def warm_start_in_setup(module: Any, model: torch.nn.Module, config: WarmStart,
-                        reference: torch.nn.Module | None = None) -> None:
+                        reference: torch.nn.Module | None = None, examples: ExampleSource | None = None) -> None:
     """The warm start as a ``LightningModule.setup`` step: once per module, before any sharding or validation.
 
     ``setup`` runs before ``configure_model`` (FSDP2 sharding) and before a ``validate`` that precedes ``fit``,
     so the first held-out numbers are those of the warm-started policy. The model moves to the strategy's
     device for the fit. Skipped when resuming (``trainer.ckpt_path``: the checkpoint holds the warm weights)
-    and when already done. Every rank fits the same examples from the same seed (no file shared between
+    and when already done. ``examples`` (default: the datamodule's ``warm_start_examples``) is for a module
+    that writes its own prompts around the datamodule's tasks. Every rank fits the same examples from the same seed (no file shared between
     processes); a single process caches the weights (``config.path`` or ``warm_start.pt`` in the run dir).
     """
     if config.steps == 0 or getattr(module, "_warm_started", False):
@@ -177,7 +178,8 @@ def warm_start_in_setup(module: Any, model: torch.nn.Module, config: WarmStart,
         return
     module._warm_started = True
     model.to(trainer.strategy.root_device)
-    examples = getattr(trainer.datamodule, "warm_start_examples", None)
+    if examples is None:
+        examples = getattr(trainer.datamodule, "warm_start_examples", None)
     warm_start_policy(model, module.tokenizer, examples, config, trainer.default_root_dir,
                       describe=type(module).__name__, cache=trainer.world_size == 1)
     if reference is not None:

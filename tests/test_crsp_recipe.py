@@ -1,0 +1,47 @@
+"""The shipped CRSP recipe through the CLI: grammar tasks, a warm start of the three roles before the first
+held-out validation, held-out solve rate and proposal validity in the summary, the warm weights cached and reused."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from lit_memopt.models import ModelConfig
+from lit_memopt.modules import CRSPModule
+
+
+def test_recipe_warm_starts_validates_first_and_caches(tmp_path: Path) -> None:
+    from test_cli import run_cli
+
+    args = ["fit", "recipe=crsp", "module.warm_start.steps=3", "module.warm_start.batch_size=4", "data.batch_size=2",
+            "data.num_val=2", "module.val_solver_samples=2", "module.num_solver_samples=2", "module.critiques_per_task=1",
+            "module.max_new_tokens_propose=16", "module.max_new_tokens_solve=8", "module.max_new_tokens_critique=8",
+            "trainer.max_steps=1", "trainer.val_check_interval=1", "trainer.log_every_n_steps=1",
+            "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = run_cli(args, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    output = first.stdout + first.stderr
+    assert "CRSPModule warm start: 3 supervised steps on the task family" in output
+    assert (tmp_path / "run" / "warm_start.pt").is_file()
+    rows = list(csv.DictReader(next((tmp_path / "run").glob("logs/version_*/metrics.csv")).open()))
+    val_steps = [int(r["step"]) for r in rows if r.get("val/solve_rate")]
+    assert val_steps[0] == 0 and len(val_steps) == 2, val_steps  # validate_first, then after the step
+    assert all(r.get("val/proposal_valid_rate") for r in rows if r.get("val/solve_rate"))
+    assert "val/solve_rate" in first.stdout and "val/proposal_valid_rate" in first.stdout
+
+    second = run_cli(args, cwd=tmp_path, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "CRSPModule warm start: loaded" in second.stdout + second.stderr
+
+
+def test_warm_start_with_lora_is_refused_with_the_fix() -> None:
+    config = ModelConfig(name="tiny", arch=dict(model_type="qwen3", vocab_size=384, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=16),
+                         lora={"r": 4, "alpha": 8})
+    with pytest.raises(ValueError, match="model.lora=null"):
+        CRSPModule(config, config.build_tokenizer(), warm_start={"steps": 5})
+    with pytest.raises(ValueError, match="val_solver_samples"):
+        CRSPModule(config, config.build_tokenizer(), val_solver_samples=0)
