@@ -208,7 +208,7 @@ class _CRSPGrads(pl.Callback):
 _LENGTHS: list[int] = []
 
 
-def _crsp_step(monkeypatch, split: bool):
+def _crsp_step(monkeypatch, tmp_path, split: bool):
     from lit_memopt.callbacks import MemoryMonitor, OOMRecovery
     from lit_memopt.memory import memory_budget
     from lit_memopt.modules import crsp as crsp_module
@@ -235,16 +235,17 @@ def _crsp_step(monkeypatch, split: bool):
     grads, recovery = _CRSPGrads(), OOMRecovery(grow_after_steps=None)
     trainer = pl.Trainer(max_steps=1, gradient_clip_val=None, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, accelerator="cpu",
-                         callbacks=[MemoryMonitor(), recovery, grads])  # the recipe's default callbacks
+                         callbacks=[MemoryMonitor(), recovery, grads],  # the recipe's default callbacks
+                         default_root_dir=str(tmp_path))  # MemoryMonitor writes its report there
     trainer.fit(module, datamodule=CodeTaskDataModule(module.tokenizer, batch_size=2))
     return grads.grads, recovery
 
 
-def test_a_step_split_by_an_oom_equals_the_unsplit_step(monkeypatch) -> None:
+def test_a_step_split_by_an_oom_equals_the_unsplit_step(monkeypatch, tmp_path) -> None:
     """Token-mean role losses: the pieces of a split micro-batch are weighted by their response tokens."""
-    unsplit, calm = _crsp_step(monkeypatch, split=False)
+    unsplit, calm = _crsp_step(monkeypatch, tmp_path, split=False)
     assert len(set(_LENGTHS)) > 2, _LENGTHS  # responses of several lengths
-    split, recovery = _crsp_step(monkeypatch, split=True)
+    split, recovery = _crsp_step(monkeypatch, tmp_path, split=True)
     assert calm.oom_events == 0 and recovery.oom_events >= 1  # the split run really was split
     assert unsplit and unsplit.keys() == split.keys()
     for name in unsplit:
