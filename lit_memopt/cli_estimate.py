@@ -19,7 +19,16 @@ import torch
 from lit_memopt.memory.batch import resize_batch
 from lit_memopt.memory.blocks import CHECK_BLOCKS, LinearityError, estimate_with_blocks
 from lit_memopt.memory.search import DEFAULT_SAFETY_MARGIN, BatchFit, largest_micro_batch, parse_memory_size
-from lit_memopt.memory.step import BREAKDOWN_LABELS, EstimateError, PeakEstimate, measure_on_cuda, estimate_peak, format_bytes
+from lit_memopt.memory.step import (
+    BREAKDOWN_LABELS,
+    EstimateError,
+    PeakEstimate,
+    ValueDependentStepError,
+    estimate_peak,
+    format_bytes,
+    measure_on_cuda,
+)
+from lit_memopt.memory.worst_case import filler_token_id
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
 
@@ -136,6 +145,10 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
         cfg.callbacks = None
     run = instantiate_run(cfg, prepare_model_config=prepare)
     module = run.module
+    if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
+        # A module that executes generated code (CRSP) starts its sandbox in setup; outside "fit", setup
+        # does nothing else, in particular nothing that needs a Trainer.
+        module.setup("validate")
     if callable(getattr(module, "configure_model", None)):
         # Where modules build or shard their model (a no-op without a device mesh).
         module.configure_model()
@@ -174,11 +187,28 @@ class _Estimator:
         self.blocks = CHECK_BLOCKS if self.total_blocks is not None and self.total_blocks > CHECK_BLOCKS else None
         self.run = build_fake_run(cfg, self.blocks)
         self.cache: dict[int | None, PeakEstimate] = {}
+        # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
+        self.worst_case_filler: int | None = None
+
+    def _filler(self) -> int:
+        module = self.run.module
+        config = getattr(getattr(module, "model", None), "config", None)
+        return filler_token_id(getattr(module, "tokenizer", None), config, getattr(config, "vocab_size", None))
 
     def estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
+        try:
+            return self._estimate(batch, rows, check=check)
+        except ValueDependentStepError:
+            if self.worst_case_filler is not None:
+                raise
+            self.worst_case_filler = self._filler()
+            return self._estimate(batch, rows, check=check)
+
+    def _estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
         if rows in self.cache:
             return self.cache[rows]
-        kwargs = {"optimizer_foreach": True}  # the peak reported is a CUDA device's: foreach is its default
+        # The peak reported is a CUDA device's: foreach is its default.
+        kwargs: dict[str, Any] = {"optimizer_foreach": True, "worst_case_filler": self.worst_case_filler}
         est = None
         if self.blocks is not None:
             try:
@@ -214,7 +244,8 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
 
         fit = largest_micro_batch(reserved_for, opts["gpu_bytes"], safety_margin=opts["margin"])
     measured, device = None, "cpu"
-    if torch.cuda.is_available():
+    # A real run stops at end-of-sequence: it measures a different step from the worst case.
+    if torch.cuda.is_available() and estimate.worst_case_tokens is None:
         device = torch.cuda.get_device_name()
         free, _ = torch.cuda.mem_get_info()
         if estimate.peak_bytes < free:
@@ -270,6 +301,11 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
     phases = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.phase_peaks.items())
     console.print(f"Peak reached during the {est.peak_phase} (highest per phase: {phases}).")
     console.print(f"How: {est.method}.")
+    if est.worst_case_tokens is not None:
+        console.print(
+            f"[bold]Worst case[/]: text generation never stops early: every response runs to max_new_tokens "
+            f"({est.worst_case_tokens} tokens sampled in the step, none of them end-of-sequence); shorter responses need less."
+        )
     for note in report.notes:
         console.print(f"Note: {note}.")
 
