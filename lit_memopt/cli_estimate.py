@@ -190,6 +190,12 @@ class _Estimator:
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
         self.worst_case_filler: int | None = None
 
+    def close(self) -> None:
+        """Stop what ``build_fake_run`` started (CRSP's sandbox workers)."""
+        module = self.run.module
+        if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
+            module.teardown("validate")
+
     def _filler(self) -> int:
         module = self.run.module
         config = getattr(getattr(module, "model", None), "config", None)
@@ -230,19 +236,22 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), time.process_time()
     estimator = _Estimator(cfg, opts["check"])
-    batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
-    estimate = estimator.estimate(batch, None)
-    fit = None
-    if opts["gpu_bytes"] is not None:
-        if estimate.batch_size:
-            estimator.cache[estimate.batch_size] = estimate
+    try:
+        batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
+        estimate = estimator.estimate(batch, None)
+        fit = None
+        if opts["gpu_bytes"] is not None:
+            if estimate.batch_size:
+                estimator.cache[estimate.batch_size] = estimate
 
-        def reserved_for(b: int) -> int:
-            # The search probes run without the linearity check: the recipe's batch was checked above.
-            est = estimator.estimate(resize_batch(batch, batch_size=b), b, check=False)
-            return int(est.reserved_peak_bytes or est.peak_bytes)
+            def reserved_for(b: int) -> int:
+                # The search probes run without the linearity check: the recipe's batch was checked above.
+                est = estimator.estimate(resize_batch(batch, batch_size=b), b, check=False)
+                return int(est.reserved_peak_bytes or est.peak_bytes)
 
-        fit = largest_micro_batch(reserved_for, opts["gpu_bytes"], safety_margin=opts["margin"])
+            fit = largest_micro_batch(reserved_for, opts["gpu_bytes"], safety_margin=opts["margin"])
+    finally:
+        estimator.close()
     measured, device = None, "cpu"
     # A real run stops at end-of-sequence: it measures a different step from the worst case.
     if torch.cuda.is_available() and estimate.worst_case_tokens is None:
