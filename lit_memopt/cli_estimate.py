@@ -28,6 +28,7 @@ from lit_memopt.memory.step import (
     format_bytes,
     measure_on_cuda,
 )
+from lit_memopt.memory.sharding import COMMUNICATION_ROW, per_rank_estimate
 from lit_memopt.memory.worst_case import filler_token_id
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
@@ -70,6 +71,7 @@ class EstimateReport:
     build_seconds: float = 0.0
     cpu_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    per_rank: tuple[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -156,6 +158,36 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
 
 
 # ============================================================================ estimating
+def data_parallel_plan(cfg: Any) -> tuple[str, int] | None:
+    """``(strategy, world size)`` for a per-rank estimate, or ``None`` on one device.
+
+    Raises:
+        ValueError: ``trainer.devices``/``trainer.num_nodes`` that are not positive integers with a
+            distributed strategy, or a strategy whose per-rank memory is not modelled.
+    """
+    trainer = cfg.get("trainer") or {}
+    strategy = trainer.get("strategy")
+    target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy or "")
+    if target.endswith("ModelParallelStrategy"):
+        name = "fsdp2"
+    elif target in ("ddp", "ddp_spawn", "ddp_fork") or target.endswith("DDPStrategy"):
+        name = "ddp"
+    elif target in ("", "auto", "single_device") or target.endswith("SingleDeviceStrategy"):
+        return None
+    else:
+        raise ValueError(
+            f"estimate: trainer.strategy={target!r} has no per-rank model; estimate with trainer=default, trainer=ddp or trainer=fsdp2"
+        )
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    for key, value in (("trainer.devices", devices), ("trainer.num_nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"estimate: {key} must be a positive integer for a per-rank {name} estimate, got {value!r} "
+                f"(e.g. {key}=8)"
+            )
+    return name, int(devices) * int(nodes)
+
+
 def _options(cfg: Any) -> dict[str, Any]:
     gpu_memory = cfg.get("gpu_memory")
     margin = cfg.get("safety_margin")
@@ -171,15 +203,17 @@ def _options(cfg: Any) -> dict[str, Any]:
         "gpu_bytes": parse_memory_size(gpu_memory) if gpu_memory is not None else None,
         "margin": margin,
         "check": True if check is None else check,
+        "per_rank": data_parallel_plan(cfg),
     }
 
 
 class _Estimator:
     """One recipe's module (built once) and a cache of its estimates by batch size."""
 
-    def __init__(self, cfg: Any, check: bool) -> None:
+    def __init__(self, cfg: Any, check: bool, per_rank: tuple[str, int] | None = None) -> None:
         self.cfg = cfg
         self.check = check
+        self.per_rank = per_rank
         self.notes: list[str] = []
         from hydra.utils import instantiate
 
@@ -203,12 +237,13 @@ class _Estimator:
 
     def estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
         try:
-            return self._estimate(batch, rows, check=check)
+            est = self._estimate(batch, rows, check=check)
         except ValueDependentStepError:
             if self.worst_case_filler is not None:
                 raise
             self.worst_case_filler = self._filler()
-            return self._estimate(batch, rows, check=check)
+            est = self._estimate(batch, rows, check=check)
+        return est if self.per_rank is None else per_rank_estimate(est, *self.per_rank)
 
     def _estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
         if rows in self.cache:
@@ -235,7 +270,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     """Everything ``lit-memopt estimate`` prints, without printing it."""
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), time.process_time()
-    estimator = _Estimator(cfg, opts["check"])
+    estimator = _Estimator(cfg, opts["check"], opts["per_rank"])
     try:
         batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
         estimate = estimator.estimate(batch, None)
@@ -254,7 +289,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         estimator.close()
     measured, device = None, "cpu"
     # A real run stops at end-of-sequence: it measures a different step from the worst case.
-    if torch.cuda.is_available() and estimate.worst_case_tokens is None:
+    if torch.cuda.is_available() and estimate.worst_case_tokens is None and opts["per_rank"] is None:
         device = torch.cuda.get_device_name()
         free, _ = torch.cuda.mem_get_info()
         if estimate.peak_bytes < free:
@@ -274,6 +309,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         build_seconds=time.perf_counter() - started,
         cpu_seconds=time.process_time() - cpu_started,
         notes=estimator.notes,
+        per_rank=opts["per_rank"],
     )
 
 
@@ -289,7 +325,8 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
             console = Console(width=110)
     est = report.estimate
     shape = f"{est.batch_size} × {est.seq_len} tokens" if est.seq_len else f"{est.batch_size} rows"
-    console.print(f"[bold]Predicted peak memory of one training step[/]: recipe={report.recipe} model={report.model}, batch {shape}")
+    where = f", per rank of {report.per_rank[1]} ({report.per_rank[0]})" if report.per_rank else ""
+    console.print(f"[bold]Predicted peak memory of one training step[/]: recipe={report.recipe} model={report.model}, batch {shape}{where}")
     table = Table()
     table.add_column("at the peak", style="bold")
     table.add_column("predicted", justify="right")
@@ -299,6 +336,8 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
     extra = [""] if report.measured_peak_bytes is not None else []
     for key, label in BREAKDOWN_LABELS.items():
         value = est.breakdown.get(key, 0)
+        if key == COMMUNICATION_ROW and report.per_rank is None:
+            continue  # a row of per-rank estimates only
         table.add_row(label, format_bytes(value), f"{100 * value / max(est.peak_bytes, 1):.0f}%", *extra)
     table.add_section()
     measured = [format_bytes(report.measured_peak_bytes)] if report.measured_peak_bytes is not None else []

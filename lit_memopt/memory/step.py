@@ -44,6 +44,8 @@ BREAKDOWN_LABELS = {
     "activations": "activations (kept for backward)",
     "temporaries": "temporaries",
     "other": "buffers and input batch",
+    # per rank under DDP/FSDP2 only (memory.sharding): gathered layers, buffers awaiting a collective
+    "communication": "gathered layers and collective buffers",
 }
 
 
