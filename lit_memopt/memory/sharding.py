@@ -10,7 +10,8 @@ backward and the input batch are those of one device. What changes is the model 
   step's foreach temporaries, which are parameter-sized). In forward and backward a rank also holds, whole:
   the root group (embeddings, final norm, head: FSDP2 does not reshard the root after forward), the block
   being computed and the next one (FSDP2 prefetches one all-gather ahead); in backward, the unsharded
-  gradients of the current block and of the root wait for their reduce-scatter.
+  gradients of the current block and of the root wait for their reduce-scatter (never more than the
+  gradients that exist at the backward's peak).
 
 Mixed-precision all-gathers (``MixedPrecisionPolicy``) are not modelled: the gathered blocks count at the
 parameters' dtype, which over-counts a bf16 all-gather of fp32 weights.
@@ -86,7 +87,10 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) ->
                 gathered = root + 2 * largest_block
                 rank[COMMUNICATION_ROW] += gathered - gathered // w
                 if phase == "backward":
-                    rank[COMMUNICATION_ROW] += int(trainable_share * (root + largest_block))
+                    # Gradients of the block just computed (and of the root) are whole until their reduce-scatter:
+                    # no more than existed at the backward's peak, which the local shards above count once.
+                    pending = min(single.get("gradients", 0), int(trainable_share * (root + largest_block)))
+                    rank[COMMUNICATION_ROW] += pending - pending // w
         phase_breakdowns[phase] = rank
 
     phase_peaks = {p: sum(b.values()) for p, b in phase_breakdowns.items()}
