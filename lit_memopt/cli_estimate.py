@@ -145,6 +145,12 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
     with open_dict(cfg):
         cfg.logger = None
         cfg.callbacks = None
+        reward = OmegaConf.select(cfg, "module.reward_model")
+        if OmegaConf.is_dict(reward) and "train_steps" in reward:
+            # A reward classifier trained at start (GRADE's rule reward) has the same tensors untrained:
+            # its weights' values do not change the memory of a step, and training it took most of the
+            # estimate's time at a 150k vocabulary.
+            reward.train_steps = 0
     run = instantiate_run(cfg, prepare_model_config=prepare)
     module = run.module
     if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
