@@ -135,7 +135,10 @@ class WorstCaseValues(TorchDispatchMode):
         known = True
         values = []
         for a in flat:
-            if isinstance(a, torch.Tensor):
+            if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):
+                known = False  # a fake tensor's storage has no memory behind it: never hand it to a real kernel
+                values.append(None)
+            elif isinstance(a, torch.Tensor):
                 v = self.value_of(a)
                 known = known and v is not None
                 values.append(v)
@@ -201,6 +204,8 @@ class WorstCaseValues(TorchDispatchMode):
         if not outputs and not written:
             return
         values, spec, known = self._known_arguments(args, kwargs)
+        # A real tensor written by the op (a LoRA weight in an optimizer step) is the user's: never replayed on.
+        known = known and all(isinstance(t, FakeTensor) for t in written)
         if not known or any(t.numel() > VALUE_NUMEL_LIMIT for t in (*outputs, *written)) or torch.Tag.nondeterministic_seeded in func.tags:
             self._lose(written)
             return
