@@ -13,13 +13,11 @@ from lit_memopt.memory import memory_budget
 from lit_memopt.memory.budget import storage_bytes
 from lit_memopt.memory.batch import batch_tensors
 from lit_memopt.memory.step import (
-    ValueDependentStepError,
     _initialise_optimizer_states,
     _optimizers_from,
     _run_training_step,
     _set_foreach,
     _standalone,
-    estimate_peak,
 )
 from lit_memopt.memory.worst_case import WorstCaseValues, filler_token_id
 
@@ -76,7 +74,8 @@ def test_worst_case_estimate_matches_a_real_step_generating_to_max_new_tokens(re
     cfg = _compose([f"recipe={recipe}", *SMALL, *RECIPES[recipe]])
     report = estimate_recipe(cfg)
     est = report.estimate
-    assert est.worst_case_tokens is not None  # the plain estimate failed on values and the worst case was used
+    # the plain estimate failed on values (a ValueDependentStepError) and the estimator fell back to the worst case
+    assert est.worst_case_tokens is not None and est.worst_case_tokens > 0
     hp = cfg.module
     if recipe == "intuitor":  # every one of the B x G responses has max_new_tokens tokens
         assert est.worst_case_tokens == cfg.data.batch_size * hp.num_samples * hp.max_new_tokens
@@ -88,19 +87,6 @@ def test_worst_case_estimate_matches_a_real_step_generating_to_max_new_tokens(re
     filler = filler_token_id(tokenizer, None, cfg.model.arch.vocab_size)
     measured, batch = _measured_worst_case_peak(cfg, filler, monkeypatch)
     assert abs(est.peak_bytes - measured) <= 0.10 * measured, (recipe, est.peak_bytes, measured)
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_plain_estimate_of_generation_names_the_worst_case() -> None:
-    cfg = _compose(["recipe=intuitor", *SMALL, *RECIPES["intuitor"]])
-    run = instantiate_run(cfg)
-    batch = _recipe_batch(run.datamodule)
-    from lit_memopt.memory import fake_mode
-
-    with fake_mode(allow_non_fake_inputs=True):
-        module = instantiate_run(cfg).module
-    with pytest.raises(ValueDependentStepError, match="worst_case_filler"):
-        estimate_peak(module, batch)
 
 
 def test_values_are_followed_and_unknown_values_are_refused() -> None:

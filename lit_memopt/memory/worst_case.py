@@ -77,6 +77,16 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
     return written
 
 
+def _same_layout(fake: torch.Tensor, real: torch.Tensor) -> bool:
+    return (
+        tuple(fake.shape) == tuple(real.shape)
+        and tuple(fake.stride()) == tuple(real.stride())
+        and fake.storage_offset() == real.storage_offset()
+        and fake.dtype == real.dtype
+        and fake.untyped_storage().nbytes() <= real.untyped_storage().nbytes()
+    )
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -118,6 +128,14 @@ class WorstCaseValues(TorchDispatchMode):
             self._set(fake, real.detach().to("cpu"))
 
     def _set(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        # Same layout or nothing: a later as_strided/_reshape_alias replays the fake's strides and offset on
+        # the values, which must then address the same elements (else a real kernel reads past their storage).
+        if not _same_layout(fake, real):
+            with _disable_current_modes():  # a batch tensor or a filler: same values in the fake's layout
+                laid_out = torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype)
+                if fake.storage_offset() != 0 or laid_out.untyped_storage().nbytes() < fake.untyped_storage().nbytes():
+                    return  # a view into a larger storage: its values are not followed
+                real = laid_out.copy_(real)
         self._values[fake] = real
         # Its storage is fresh or known: a storage address marked stale belonged to a tensor since freed.
         self._stale.discard(_storage_key(fake))
@@ -140,7 +158,9 @@ class WorstCaseValues(TorchDispatchMode):
                 values.append(None)
             elif isinstance(a, torch.Tensor):
                 v = self.value_of(a)
-                known = known and v is not None
+                # Values are replayed with the fake's own sizes and strides (as_strided, views): a value whose layout
+                # has drifted from its fake tensor's (an in-place view op on an aliased value) is not used.
+                known = known and v is not None and (v is a or _same_layout(a, v))
                 values.append(v)
             elif isinstance(a, torch.device):
                 values.append(torch.device("cpu"))  # values live on the CPU whatever the fake device
@@ -206,6 +226,8 @@ class WorstCaseValues(TorchDispatchMode):
         values, spec, known = self._known_arguments(args, kwargs)
         # A real tensor written by the op (a LoRA weight in an optimizer step) is the user's: never replayed on.
         known = known and all(isinstance(t, FakeTensor) for t in written)
+        # Unchecked indexing kernels trust their indices: a replay on values must never write out of bounds.
+        known = known and not func.__name__.startswith("_unsafe")
         if not known or any(t.numel() > VALUE_NUMEL_LIMIT for t in (*outputs, *written)) or torch.Tag.nondeterministic_seeded in func.tags:
             self._lose(written)
             return
