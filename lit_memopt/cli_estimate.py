@@ -19,7 +19,17 @@ import torch
 from lit_memopt.memory.batch import resize_batch
 from lit_memopt.memory.blocks import CHECK_BLOCKS, LinearityError, estimate_with_blocks
 from lit_memopt.memory.search import DEFAULT_SAFETY_MARGIN, BatchFit, largest_micro_batch, parse_memory_size
-from lit_memopt.memory.step import BREAKDOWN_LABELS, EstimateError, PeakEstimate, measure_on_cuda, estimate_peak, format_bytes
+from lit_memopt.memory.step import (
+    BREAKDOWN_LABELS,
+    EstimateError,
+    PeakEstimate,
+    ValueDependentStepError,
+    estimate_peak,
+    format_bytes,
+    measure_on_cuda,
+)
+from lit_memopt.memory.sharding import COMMUNICATION_ROW, per_rank_estimate
+from lit_memopt.memory.worst_case import filler_token_id
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
 
@@ -61,6 +71,7 @@ class EstimateReport:
     build_seconds: float = 0.0
     cpu_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    per_rank: tuple[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -134,8 +145,18 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
     with open_dict(cfg):
         cfg.logger = None
         cfg.callbacks = None
+        reward = OmegaConf.select(cfg, "module.reward_model")
+        if OmegaConf.is_dict(reward) and "train_steps" in reward:
+            # A reward classifier trained at start (GRADE's rule reward) has the same tensors untrained:
+            # its weights' values do not change the memory of a step, and training it took most of the
+            # estimate's time at a 150k vocabulary.
+            reward.train_steps = 0
     run = instantiate_run(cfg, prepare_model_config=prepare)
     module = run.module
+    if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
+        # A module that executes generated code (CRSP) starts its sandbox in setup; outside "fit", setup
+        # does nothing else, in particular nothing that needs a Trainer.
+        module.setup("validate")
     if callable(getattr(module, "configure_model", None)):
         # Where modules build or shard their model (a no-op without a device mesh).
         module.configure_model()
@@ -143,6 +164,36 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
 
 
 # ============================================================================ estimating
+def data_parallel_plan(cfg: Any) -> tuple[str, int] | None:
+    """``(strategy, world size)`` for a per-rank estimate, or ``None`` on one device.
+
+    Raises:
+        ValueError: ``trainer.devices``/``trainer.num_nodes`` that are not positive integers with a
+            distributed strategy, or a strategy whose per-rank memory is not modelled.
+    """
+    trainer = cfg.get("trainer") or {}
+    strategy = trainer.get("strategy")
+    target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy or "")
+    if target.endswith("ModelParallelStrategy"):
+        name = "fsdp2"
+    elif target in ("ddp", "ddp_spawn", "ddp_fork") or target.endswith("DDPStrategy"):
+        name = "ddp"
+    elif target in ("", "auto", "single_device") or target.endswith("SingleDeviceStrategy"):
+        return None
+    else:
+        raise ValueError(
+            f"estimate: trainer.strategy={target!r} has no per-rank model; estimate with trainer=default, trainer=ddp or trainer=fsdp2"
+        )
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    for key, value in (("trainer.devices", devices), ("trainer.num_nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"estimate: {key} must be a positive integer for a per-rank {name} estimate, got {value!r} "
+                f"(e.g. {key}=8)"
+            )
+    return name, int(devices) * int(nodes)
+
+
 def _options(cfg: Any) -> dict[str, Any]:
     gpu_memory = cfg.get("gpu_memory")
     margin = cfg.get("safety_margin")
@@ -158,15 +209,17 @@ def _options(cfg: Any) -> dict[str, Any]:
         "gpu_bytes": parse_memory_size(gpu_memory) if gpu_memory is not None else None,
         "margin": margin,
         "check": True if check is None else check,
+        "per_rank": data_parallel_plan(cfg),
     }
 
 
 class _Estimator:
     """One recipe's module (built once) and a cache of its estimates by batch size."""
 
-    def __init__(self, cfg: Any, check: bool) -> None:
+    def __init__(self, cfg: Any, check: bool, per_rank: tuple[str, int] | None = None) -> None:
         self.cfg = cfg
         self.check = check
+        self.per_rank = per_rank
         self.notes: list[str] = []
         from hydra.utils import instantiate
 
@@ -174,11 +227,35 @@ class _Estimator:
         self.blocks = CHECK_BLOCKS if self.total_blocks is not None and self.total_blocks > CHECK_BLOCKS else None
         self.run = build_fake_run(cfg, self.blocks)
         self.cache: dict[int | None, PeakEstimate] = {}
+        # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
+        self.worst_case_filler: int | None = None
+
+    def close(self) -> None:
+        """Stop what ``build_fake_run`` started (CRSP's sandbox workers)."""
+        module = self.run.module
+        if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
+            module.teardown("validate")
+
+    def _filler(self) -> int:
+        module = self.run.module
+        config = getattr(getattr(module, "model", None), "config", None)
+        return filler_token_id(getattr(module, "tokenizer", None), config, getattr(config, "vocab_size", None))
 
     def estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
+        try:
+            est = self._estimate(batch, rows, check=check)
+        except ValueDependentStepError:
+            if self.worst_case_filler is not None:
+                raise
+            self.worst_case_filler = self._filler()
+            est = self._estimate(batch, rows, check=check)
+        return est if self.per_rank is None else per_rank_estimate(est, *self.per_rank)
+
+    def _estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
         if rows in self.cache:
             return self.cache[rows]
-        kwargs = {"optimizer_foreach": True}  # the peak reported is a CUDA device's: foreach is its default
+        # The peak reported is a CUDA device's: foreach is its default.
+        kwargs: dict[str, Any] = {"optimizer_foreach": True, "worst_case_filler": self.worst_case_filler}
         est = None
         if self.blocks is not None:
             try:
@@ -199,22 +276,26 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     """Everything ``lit-memopt estimate`` prints, without printing it."""
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), time.process_time()
-    estimator = _Estimator(cfg, opts["check"])
-    batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
-    estimate = estimator.estimate(batch, None)
-    fit = None
-    if opts["gpu_bytes"] is not None:
-        if estimate.batch_size:
-            estimator.cache[estimate.batch_size] = estimate
+    estimator = _Estimator(cfg, opts["check"], opts["per_rank"])
+    try:
+        batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
+        estimate = estimator.estimate(batch, None)
+        fit = None
+        if opts["gpu_bytes"] is not None:
+            if estimate.batch_size:
+                estimator.cache[estimate.batch_size] = estimate
 
-        def reserved_for(b: int) -> int:
-            # The search probes run without the linearity check: the recipe's batch was checked above.
-            est = estimator.estimate(resize_batch(batch, batch_size=b), b, check=False)
-            return int(est.reserved_peak_bytes or est.peak_bytes)
+            def reserved_for(b: int) -> int:
+                # The search probes run without the linearity check: the recipe's batch was checked above.
+                est = estimator.estimate(resize_batch(batch, batch_size=b), b, check=False)
+                return int(est.reserved_peak_bytes or est.peak_bytes)
 
-        fit = largest_micro_batch(reserved_for, opts["gpu_bytes"], safety_margin=opts["margin"])
+            fit = largest_micro_batch(reserved_for, opts["gpu_bytes"], safety_margin=opts["margin"])
+    finally:
+        estimator.close()
     measured, device = None, "cpu"
-    if torch.cuda.is_available():
+    # A real run stops at end-of-sequence: it measures a different step from the worst case.
+    if torch.cuda.is_available() and estimate.worst_case_tokens is None and opts["per_rank"] is None:
         device = torch.cuda.get_device_name()
         free, _ = torch.cuda.mem_get_info()
         if estimate.peak_bytes < free:
@@ -234,6 +315,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         build_seconds=time.perf_counter() - started,
         cpu_seconds=time.process_time() - cpu_started,
         notes=estimator.notes,
+        per_rank=opts["per_rank"],
     )
 
 
@@ -249,7 +331,8 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
             console = Console(width=110)
     est = report.estimate
     shape = f"{est.batch_size} × {est.seq_len} tokens" if est.seq_len else f"{est.batch_size} rows"
-    console.print(f"[bold]Predicted peak memory of one training step[/]: recipe={report.recipe} model={report.model}, batch {shape}")
+    where = f", per rank of {report.per_rank[1]} ({report.per_rank[0]})" if report.per_rank else ""
+    console.print(f"[bold]Predicted peak memory of one training step[/]: recipe={report.recipe} model={report.model}, batch {shape}{where}")
     table = Table()
     table.add_column("at the peak", style="bold")
     table.add_column("predicted", justify="right")
@@ -259,6 +342,8 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
     extra = [""] if report.measured_peak_bytes is not None else []
     for key, label in BREAKDOWN_LABELS.items():
         value = est.breakdown.get(key, 0)
+        if key == COMMUNICATION_ROW and report.per_rank is None:
+            continue  # a row of per-rank estimates only
         table.add_row(label, format_bytes(value), f"{100 * value / max(est.peak_bytes, 1):.0f}%", *extra)
     table.add_section()
     measured = [format_bytes(report.measured_peak_bytes)] if report.measured_peak_bytes is not None else []
@@ -270,6 +355,11 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
     phases = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.phase_peaks.items())
     console.print(f"Peak reached during the {est.peak_phase} (highest per phase: {phases}).")
     console.print(f"How: {est.method}.")
+    if est.worst_case_tokens is not None:
+        console.print(
+            f"[bold]Worst case[/]: text generation never stops early: every response runs to max_new_tokens "
+            f"({est.worst_case_tokens} tokens sampled in the step, none of them end-of-sequence); shorter responses need less."
+        )
     for note in report.notes:
         console.print(f"Note: {note}.")
 

@@ -93,3 +93,37 @@ def test_a_step_that_is_not_linear_in_the_blocks_is_refused() -> None:
         estimate_with_blocks(module, torch.randn(2, 8), 12)
     with pytest.raises(ValueError, match="built_blocks"):
         estimate_with_blocks(module, torch.randn(2, 8), 12, built_blocks=5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_head_tiles_skipped_on_fake_tensors_leave_the_same_peak(monkeypatch) -> None:  # noqa: ANN001
+    """Fake tensors trace the first two and the last tile of the fused head only: the peak must not change."""
+    import lit_memopt.ops._head_tiles as tiles
+    import lit_memopt.ops.linear_head as head
+    from lit_memopt.memory import peak_during
+    from lit_memopt.ops import linear_logprobs_and_entropy
+
+    def peak(skip: bool) -> int:
+        with fake_mode():
+            hidden = torch.randn(300, 64, requires_grad=True)
+            weight = torch.randn(1000, 64, requires_grad=True)
+            targets = torch.randint(0, 1000, (300,))
+
+            def step() -> None:
+                logp, ent = linear_logprobs_and_entropy(hidden, weight, targets, chunk_size=(64, 96))
+                (logp.sum() + ent.sum()).backward()
+
+            return peak_during(step, hidden, weight).peak_bytes
+
+    sampled = peak(True)
+    calls = []
+    original = tiles.tile_starts
+
+    def every_tile(start: int, stop: int, step: int, *, values: bool = True):  # noqa: ANN202
+        calls.append(len(range(start, stop, step)))
+        return original(start, stop, step, values=True)
+
+    monkeypatch.setattr(head, "tile_starts", every_tile)
+    assert peak(False) == sampled
+    assert max(calls) > 3  # the full loop really had interior tiles to skip
+    assert len(original(0, 1000, 96, values=False)) == 3 and list(original(0, 1000, 96)) == list(range(0, 1000, 96))

@@ -21,9 +21,10 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lit_memopt.memory.batch import batch_geometry, batch_tensors, resize_batch, to_fake
 from lit_memopt.memory.units import format_bytes
 from lit_memopt.memory.fake import fake_mode
+from lit_memopt.memory.worst_case import UnknownValueError
 from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, snapshot_categories, snapshot_total
 
-__all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda"]
+__all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda"]
 
 GIB = 1024**3
 # MemTracker's categories -> the rows of the breakdown.
@@ -43,6 +44,8 @@ BREAKDOWN_LABELS = {
     "activations": "activations (kept for backward)",
     "temporaries": "temporaries",
     "other": "buffers and input batch",
+    # per rank under DDP/FSDP2 only (memory.sharding): gathered layers, buffers awaiting a collective
+    "communication": "gathered layers and collective buffers",
 }
 
 
@@ -73,6 +76,8 @@ class PeakEstimate:
         num_blocks: decoder blocks of the model the numbers are for (``None``: not known).
         method: how the numbers were obtained, in words (a full trace, or which block counts were
             traced and extrapolated; worst-case generation; per-rank sharding).
+        worst_case_tokens: tokens sampled during the step when generation ran at its worst case (every
+            sampled token a non-EOS filler, every response at ``max_new_tokens``); ``None``: not a worst case.
     """
 
     peak_bytes: int
@@ -90,6 +95,7 @@ class PeakEstimate:
     reserved_peak_bytes: int | None = None
     num_blocks: int | None = None
     method: str = "full trace"
+    worst_case_tokens: int | None = None
 
     @property
     def peak_gib(self) -> float:
@@ -267,13 +273,17 @@ def _run_training_step(module: Any, batch: Any, optimizers: list[torch.optim.Opt
         module.on_train_batch_end(output, batch, batch_idx)
 
 
+class ValueDependentStepError(EstimateError):
+    """The step reads tensor values (text generation stopping at end-of-sequence): estimate it at its worst case."""
+
+
 def _explain_value_dependence(exc: BaseException, module: Any) -> EstimateError:
-    return EstimateError(
+    return ValueDependentStepError(
         f"estimate_peak: the training step of {type(module).__name__} reads tensor values "
         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'data-dependent operation'}); "
-        "fake tensors have shapes but no values, so this step cannot be estimated without running it. "
-        "Text generation with an end-of-sequence stop is the usual cause; estimate the training "
-        "forward/backward with a module whose step is value-independent, or measure on the device."
+        "fake tensors have shapes but no values. Text generation that stops at an end-of-sequence token is "
+        "the usual cause: estimate it at its worst case with estimate_peak(..., worst_case_filler=TOKEN_ID) "
+        "(what `lit-memopt estimate` does), or measure on the device."
     )
 
 
@@ -287,6 +297,7 @@ def estimate_peak(
     accumulating: bool = False,
     batch_idx: int = 0,
     model_allocator: bool = True,
+    worst_case_filler: int | None = None,
 ) -> PeakEstimate:
     """Peak live tensor bytes of one training step (forward, backward, optimizer step) of ``module`` on ``batch``.
 
@@ -312,6 +323,9 @@ def estimate_peak(
         batch_idx: passed to ``training_step``.
         model_allocator: replay the step's allocations through the CUDA caching-allocator model
             (``memory.allocator``) to fill ``reserved_peak_bytes``.
+        worst_case_filler: estimate text generation at its worst case: the batch's values are followed
+            through the step and every sampled token is this (non-EOS) id, so every response runs to
+            ``max_new_tokens`` (``memory.worst_case``). ``None``: shapes only; a step that reads values fails.
 
     Returns:
         A :class:`PeakEstimate`.
@@ -340,11 +354,19 @@ def estimate_peak(
         batch = resize_batch(batch, batch_size, seq_len)
     rows, seq = batch_geometry(batch)
     context = mode if mode is not None else contextlib.nullcontext()
+    values = None
+    if worst_case_filler is not None and mode is not None:
+        from lit_memopt.memory.worst_case import WorstCaseValues
+
+        values = WorstCaseValues(worst_case_filler)
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     with context:
         if mode is not None:
-            batch = to_fake(batch, mode)
+            real_batch, batch = batch, to_fake(batch, mode)
+            if values is not None:
+                for fake, real in zip(batch_tensors(batch), batch_tensors(real_batch)):
+                    values.track(fake, real)
         module.train()
         optimizers = _optimizers_from(module.configure_optimizers())
         if not optimizers:
@@ -365,11 +387,14 @@ def estimate_peak(
         tracker.track_external(module, *optimizers, *batch_tensors(batch))
         started = time.perf_counter()
         try:
-            with _standalone(module, optimizers), tracker:
+            # The value mode goes inside the tracker: the tensors it creates for value-dependent shapes are counted.
+            with _standalone(module, optimizers), tracker, values if values is not None else contextlib.nullcontext():
                 tracker.mark_phase_start("setup")
                 _run_training_step(module, batch, optimizers, tracker, batch_idx)
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             raise _explain_value_dependence(exc, module) from exc
+        except UnknownValueError as exc:
+            raise EstimateError(f"estimate_peak: the training step of {type(module).__name__} has no worst case: {exc}") from exc
         except (AssertionError, AttributeError, RuntimeError, TypeError) as exc:
             if mode is None:
                 raise  # real tensors: the module's own error, unchanged
@@ -405,6 +430,7 @@ def estimate_peak(
         accumulating=accumulating,
         phase_breakdowns=phase_breakdowns,
         reserved_peak_bytes=reserved,
+        worst_case_tokens=None if values is None else values.sampled_tokens,
     )
 
 

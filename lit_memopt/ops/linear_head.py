@@ -30,6 +30,7 @@ from lit_memopt.ops._head_tiles import (
     check_targets,
     check_weight_pair,
     is_fake,
+    tile_starts,
     resolve_precision,
     tile_sizes,
 )
@@ -142,12 +143,13 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
     n, vocab = hidden.shape[0], weight.shape[0]
     rt, vt = spec.row_tile, spec.vocab_tile
     stats: dict[str, Tensor] = {k: hidden.new_zeros(n, dtype=math_.stat_dtype) for k in ("lse", "target_z", "mu", "mean_z", "ref_lse", "mu_d")}
-    for r0 in range(0, n, rt):
+    values = not is_fake(hidden)
+    for r0 in tile_starts(0, n, rt, values=values):
         r1 = min(r0 + rt, n)
         h = math_.operand("h", hidden[r0:r1], rt)
         ref_h = math_.operand("ref_h", ref_hidden[r0:r1], rt) if ref_weight is not None else None
         run = _RunningSoftmax(spec, r1 - r0, math_.stat_dtype, hidden.device)
-        for v0 in range(0, vocab, vt):
+        for v0 in tile_starts(0, vocab, vt, values=values):
             v1 = min(v0 + vt, vocab)
             z = math_.logits("z", h, math_.operand("w", weight[v0:v1], vt), bias, v0, v1)
             ref_z = None
@@ -291,13 +293,14 @@ class _LinearHeadFunction(torch.autograd.Function):
         grad_b_acc = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_b else None
 
         with _NoAutocast(device.type), torch.no_grad():
-            for s0 in range(0, n, block_rows):
+            values = not is_fake(hidden)
+            for s0 in tile_starts(0, n, block_rows, values=values):
                 s1 = min(s0 + block_rows, n)
                 first_block, one_row_tile = s0 == 0, s1 - s0 <= rt
                 gh_block = None
                 if need_h:
                     gh_block = grad_h[s0:s1] if direct_gh else math_.ws.get("gh", s1 - s0, size, min(block_rows, n) * size, stat_dtype).zero_()
-                for v0 in range(0, vocab, vt):
+                for v0 in tile_starts(0, vocab, vt, values=values):
                     v1 = min(v0 + vt, vocab)
                     w = math_.operand("w", weight[v0:v1], vt)
                     ref_w = math_.operand("ref_w", ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
@@ -309,7 +312,7 @@ class _LinearHeadFunction(torch.autograd.Function):
                         overwrite_gw = first_block or not direct_gw
                         if overwrite_gw and not one_row_tile:
                             gw_tile.zero_()
-                    for r0 in range(s0, s1, rt):
+                    for r0 in tile_starts(s0, s1, rt, values=values):
                         r1 = min(r0 + rt, s1)
                         h = math_.operand("h", hidden[r0:r1], rt)
                         z = math_.logits("z", h, w, stat_bias, v0, v1)

@@ -123,6 +123,8 @@ class RuleRewardModel(nn.Module):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+        # Frozen from here on: the last step's gradients would stay allocated for the whole run.
+        optimizer.zero_grad(set_to_none=True)
         self.eval().requires_grad_(False)
         with torch.no_grad():
             ids = self.sample_rule_batch(1024, seq_len, generator)

@@ -1,0 +1,120 @@
+"""Per-rank peak memory under DDP and FSDP2, from a single-device estimate: arithmetic on its phase breakdowns.
+
+Data parallelism gives every rank the same micro-batch shape, so activations, temporaries of forward and
+backward and the input batch are those of one device. What changes is the model state:
+
+- ``ddp``: parameters, gradients and optimizer state are replicated; DDP also holds gradient buckets, a
+  second copy of the trainable gradients (``gradient_as_bucket_view=False``, Lightning's default), for the
+  whole run.
+- ``fsdp2``: parameters, gradients and optimizer state are sharded by the world size (so are the optimizer
+  step's foreach temporaries, which are parameter-sized). In forward and backward a rank also holds, whole:
+  the root group (embeddings, final norm, head: FSDP2 does not reshard the root after forward), the block
+  being computed and the next one (FSDP2 prefetches one all-gather ahead); in backward, the unsharded
+  gradients of the current block and of the root wait for their reduce-scatter (never more than the
+  gradients that exist at the backward's peak).
+
+Mixed-precision all-gathers (``MixedPrecisionPolicy``) are not modelled: the gathered blocks count at the
+parameters' dtype, which over-counts a bf16 all-gather of fp32 weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lit_memopt.memory.step import PeakEstimate
+
+__all__ = ["STRATEGIES", "per_rank_estimate", "block_parameter_bytes", "COMMUNICATION_ROW"]
+
+STRATEGIES = ("ddp", "fsdp2")
+# The breakdown row that holds what sharding adds: gathered blocks, buckets awaiting a collective.
+COMMUNICATION_ROW = "communication"
+
+
+def block_parameter_bytes(estimate: PeakEstimate) -> tuple[int, int]:
+    """``(largest block, all blocks)`` parameter bytes, from the per-module rows (``...layers.*`` groups)."""
+    largest, total = 0, 0
+    for row in estimate.modules:
+        if row.name.endswith("layers.*") and row.count > 0:
+            largest = max(largest, row.parameter_bytes // row.count)
+            total += row.parameter_bytes
+    return largest, total
+
+
+def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) -> PeakEstimate:
+    """The peak of one rank of ``world_size`` data-parallel ranks, from the single-device ``estimate``.
+
+    Args:
+        estimate: a single-device estimate with its phase breakdowns (``estimate_peak`` and block
+            extrapolation fill them).
+        strategy: ``"ddp"`` or ``"fsdp2"``.
+        world_size: data-parallel ranks (``trainer.devices * trainer.num_nodes``), >= 1.
+
+    Returns:
+        A :class:`PeakEstimate` whose breakdowns are per rank (with a ``communication`` row), whose
+        ``method`` says what was assumed, and whose reserved peak keeps the allocator's overhead of the
+        single-device replay.
+
+    Raises:
+        ValueError: an unknown strategy, a world size below 1, or an estimate without phase breakdowns.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"per_rank_estimate: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"per_rank_estimate: world_size must be a positive integer, got {world_size!r}")
+    if not estimate.phase_breakdowns:
+        raise ValueError("per_rank_estimate: the estimate has no phase breakdowns to scale")
+    step = estimate.phase_breakdowns.get("optimizer step") or max(estimate.phase_breakdowns.values(), key=lambda b: sum(b.values()))
+    params, grads = step.get("parameters", 0), step.get("gradients", 0)
+    trainable_share = grads / params if params else 0.0
+    largest_block, all_blocks = block_parameter_bytes(estimate)
+    root = max(params - all_blocks, 0)
+
+    phase_breakdowns: dict[str, dict[str, int]] = {}
+    for phase, single in estimate.phase_breakdowns.items():
+        rank = {k: int(v) for k, v in single.items()}
+        rank.setdefault(COMMUNICATION_ROW, 0)
+        if strategy == "ddp":
+            rank[COMMUNICATION_ROW] += grads  # gradient buckets, allocated with the DDP wrapper
+        else:
+            w = world_size
+            for key in ("parameters", "gradients", "optimizer_state"):
+                rank[key] = -(-rank.get(key, 0) // w)
+            if phase == "optimizer step":
+                rank["temporaries"] = -(-rank.get("temporaries", 0) // w)  # foreach buffers of the local shards
+            else:
+                # gathered on top of the local shards: the root group, the current block and the prefetched one
+                gathered = root + 2 * largest_block
+                rank[COMMUNICATION_ROW] += gathered - gathered // w
+                if phase == "backward":
+                    # Gradients of the block just computed (and of the root) are whole until their reduce-scatter:
+                    # no more than existed at the backward's peak, which the local shards above count once.
+                    pending = min(single.get("gradients", 0), int(trainable_share * (root + largest_block)))
+                    rank[COMMUNICATION_ROW] += pending - pending // w
+        phase_breakdowns[phase] = rank
+
+    phase_peaks = {p: sum(b.values()) for p, b in phase_breakdowns.items()}
+    peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
+    peak = phase_peaks[peak_phase]
+    reserved = None
+    if estimate.reserved_peak_bytes is not None:
+        reserved = peak + max(estimate.reserved_peak_bytes - estimate.peak_bytes, 0)
+    if strategy == "ddp":
+        how = f"per rank of {world_size} (ddp): model state replicated, plus gradient buckets ({_mib(grads)})"
+    else:
+        how = (f"per rank of {world_size} (fsdp2): parameters, gradients and optimizer state sharded; forward/backward "
+               f"also hold the root group ({_mib(root)}) and two gathered blocks ({_mib(largest_block)} each)")
+    return dataclasses.replace(
+        estimate,
+        peak_bytes=peak,
+        breakdown=dict(phase_breakdowns[peak_phase]),
+        peak_phase=peak_phase,
+        phase_peaks=phase_peaks,
+        phase_breakdowns=phase_breakdowns,
+        reserved_peak_bytes=reserved,
+        method=f"{estimate.method}; {how}",
+    )
+
+
+def _mib(n: Any) -> str:
+    return f"{int(n) / 2**20:.1f} MiB"

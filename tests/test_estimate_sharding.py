@@ -1,0 +1,175 @@
+"""Per-rank estimates (``memory.sharding``) against a real 2-process FSDP2 run (gloo, CPU) measured with memory_budget."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from lit_memopt.memory.sharding import per_rank_estimate
+from lit_memopt.memory.step import PeakEstimate
+from lit_memopt.memory.tracker import ModuleMemory
+
+WORLD = 2
+# The embedded tiny model with 2 blocks (a full trace) on a batch large enough for activations to matter.
+OVERRIDES = ["recipe=sft", "trainer=fsdp2", f"trainer.devices={WORLD}", "trainer.accelerator=cpu",
+             "model.arch.num_hidden_layers=2", "data.batch_size=8"]
+
+
+def _compose():  # noqa: ANN202
+    from omegaconf import open_dict
+
+    from lit_memopt.cli import compose_config
+
+    cfg = compose_config(OVERRIDES)
+    with open_dict(cfg):  # no run directory: no logger, no callbacks
+        cfg.logger = None
+        cfg.callbacks = None
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    from datetime import timedelta
+
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lit_memopt.cli import instantiate_run
+    from lit_memopt.memory import memory_budget
+    from lit_memopt.memory.batch import batch_tensors
+    from lit_memopt.memory.budget import storage_bytes
+
+    class PeakOfSecondStep(Callback):
+        """Per-rank peak of batch 1 (the Adam moments exist by then), measured from its start to its end."""
+
+        def __init__(self) -> None:
+            self.peak: int | None = None
+            self._probe = None
+
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            for opt in trainer.optimizers:  # as the estimate: CUDA's default foreach AdamW
+                for group in opt.param_groups:
+                    group["foreach"] = True
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx != 1:
+                return
+            # Lightning zeroes gradients after the forward; the estimate's step starts without them.
+            for opt in trainer.optimizers:
+                opt.zero_grad(set_to_none=True)
+            baseline = storage_bytes(pl_module, *trainer.optimizers, *batch_tensors(batch))
+            self._probe = memory_budget(None, baseline_bytes=baseline)
+            self._probe.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx == 1 and self._probe is not None:
+                self._probe.__exit__(None, None, None)
+                self.peak = int(self._probe.peak_bytes)
+
+    cfg = _compose()
+    run = instantiate_run(cfg)
+    probe = PeakOfSecondStep()
+    strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, timeout=timedelta(seconds=60))
+    trainer = Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2, callbacks=[probe], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(run.module, datamodule=run.datamodule)
+    torch.save({"peak": probe.peak}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _run_two_ranks(out_dir: Path, timeout_s: float) -> list[int]:
+    context = mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"the 2-process FSDP2 run did not finish in {timeout_s} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(out_dir / f"rank{r}.pt")["peak"] for r in range(WORLD)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fsdp2_per_rank_estimate_matches_a_two_process_run(tmp_path: Path) -> None:
+    from lit_memopt.cli_estimate import estimate_recipe
+
+    report = estimate_recipe(_compose())
+    assert report.per_rank == ("fsdp2", WORLD)
+    est = report.estimate
+    assert "per rank of 2 (fsdp2)" in est.method and est.breakdown["communication"] > 0
+    peaks = _run_two_ranks(tmp_path, timeout_s=240)
+    for rank, measured in enumerate(peaks):
+        assert measured is not None and measured > 0
+        assert abs(est.peak_bytes - measured) <= 0.10 * measured, (rank, est.peak_bytes, measured, est.breakdown)
+
+
+def _single_device() -> PeakEstimate:
+    mib = 2**20
+    forward = {"parameters": 100 * mib, "gradients": 0, "optimizer_state": 200 * mib, "activations": 50 * mib,
+               "temporaries": 5 * mib, "other": mib}
+    backward = {**forward, "gradients": 60 * mib, "activations": 20 * mib}
+    step = {**forward, "gradients": 100 * mib, "activations": 0, "temporaries": 100 * mib}
+    phases = {"forward": forward, "backward": backward, "optimizer step": step}
+    peaks = {p: sum(b.values()) for p, b in phases.items()}
+    # 4 blocks of 20 MiB, 20 MiB of root group (embeddings, norm, head)
+    modules = [ModuleMemory("model.layers.*", 4, 80 * mib, 0, 0, 0, False)]
+    return PeakEstimate(peak_bytes=max(peaks.values()), breakdown=dict(step), peak_phase="optimizer step",
+                        phase_peaks=peaks, modules=modules, batch_size=1, seq_len=8, fake=True, seconds=0.0,
+                        phase_breakdowns=phases, reserved_peak_bytes=max(peaks.values()) + 10 * mib)
+
+
+def test_sharding_arithmetic_by_phase() -> None:
+    mib = 2**20
+    single = _single_device()
+    fsdp = per_rank_estimate(single, "fsdp2", 4)
+    fwd = fsdp.phase_breakdowns["forward"]
+    assert fwd["parameters"] == 25 * mib and fwd["optimizer_state"] == 50 * mib and fwd["activations"] == 50 * mib
+    # the root group (20 MiB) and two blocks (20 MiB each) whole, less the quarter already counted as local shards
+    assert fwd["communication"] == 60 * mib - 15 * mib
+    bwd = fsdp.phase_breakdowns["backward"]
+    # + the root's and the current block's whole gradients (40 MiB, capped by the 60 MiB that exist), less their shard
+    assert bwd["gradients"] == 15 * mib and bwd["communication"] == 45 * mib + 30 * mib
+    opt = fsdp.phase_breakdowns["optimizer step"]
+    assert opt["communication"] == 0 and opt["temporaries"] == 25 * mib and opt["gradients"] == 25 * mib
+    assert fsdp.peak_bytes == max(sum(b.values()) for b in fsdp.phase_breakdowns.values())
+    assert fsdp.reserved_peak_bytes == fsdp.peak_bytes + 10 * mib
+    ddp = per_rank_estimate(single, "ddp", 4)
+    for phase, b in ddp.phase_breakdowns.items():
+        assert b["communication"] == 100 * mib  # gradient buckets
+        assert b["parameters"] == 100 * mib
+    assert ddp.peak_bytes == single.peak_bytes + 100 * mib
+    assert per_rank_estimate(single, "fsdp2", 1).phase_peaks["optimizer step"] == single.phase_peaks["optimizer step"]
+    with pytest.raises(ValueError, match="strategy"):
+        per_rank_estimate(single, "zero3", 4)
+    with pytest.raises(ValueError, match="world_size"):
+        per_rank_estimate(single, "fsdp2", 0)
+
+
+def test_cli_rejects_devices_it_cannot_count(capsys) -> None:  # noqa: ANN001
+    from lit_memopt.cli_estimate import data_parallel_plan
+    from lit_memopt.cli import compose_config
+
+    assert data_parallel_plan(compose_config(["recipe=sft", "trainer=ddp", "trainer.devices=8"])) == ("ddp", 8)
+    assert data_parallel_plan(compose_config(["recipe=sft", "trainer=fsdp2", "trainer.devices=4", "trainer.num_nodes=2"])) == ("fsdp2", 8)
+    assert data_parallel_plan(compose_config(["recipe=sft"])) is None
+    for bad in ("auto", "0", "-1"):
+        with pytest.raises(ValueError, match=r"trainer.devices must be a positive integer .*e.g. trainer.devices=8"):
+            data_parallel_plan(compose_config(["recipe=sft", "trainer=fsdp2", f"trainer.devices={bad}"]))
