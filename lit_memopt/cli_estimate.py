@@ -151,6 +151,9 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
             # its weights' values do not change the memory of a step, and training it took most of the
             # estimate's time at a 150k vocabulary.
             reward.train_steps = 0
+        if OmegaConf.is_dict(OmegaConf.select(cfg, "module.warm_start")):
+            # The supervised warm start happens before training: it changes weight values, not a step's memory.
+            cfg.module.warm_start.steps = 0
     run = instantiate_run(cfg, prepare_model_config=prepare)
     module = run.module
     if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
@@ -229,6 +232,9 @@ class _Estimator:
         self.cache: dict[int | None, PeakEstimate] = {}
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
         self.worst_case_filler: int | None = None
+        if getattr(self.run.module, "generates_until_eos", False):
+            # The module says so itself: start at the worst case instead of a first attempt that stops on a value.
+            self.worst_case_filler = self._filler()
 
     def close(self) -> None:
         """Stop what ``build_fake_run`` started (CRSP's sandbox workers)."""

@@ -26,7 +26,7 @@ SMALL = ["model.arch.num_hidden_layers=2", "trainer.accelerator=cpu"]
 RECIPES = {
     "intuitor": ["module.num_samples=4", "module.max_new_tokens=12", "data.batch_size=2", "module.warm_start.steps=0"],
     "crsp": ["module.max_new_tokens_propose=24", "module.max_new_tokens_solve=12", "module.max_new_tokens_critique=12",
-             "module.num_solver_samples=2", "module.critiques_per_task=1", "data.batch_size=1"],
+             "module.num_solver_samples=2", "module.critiques_per_task=1", "data.batch_size=1", "module.warm_start.steps=0"],
 }
 
 
@@ -74,7 +74,7 @@ def test_worst_case_estimate_matches_a_real_step_generating_to_max_new_tokens(re
     cfg = _compose([f"recipe={recipe}", *SMALL, *RECIPES[recipe]])
     report = estimate_recipe(cfg)
     est = report.estimate
-    # the plain estimate failed on values (a ValueDependentStepError) and the estimator fell back to the worst case
+    # the module samples until end-of-sequence (generates_until_eos): the estimate is its worst case
     assert est.worst_case_tokens is not None and est.worst_case_tokens > 0
     hp = cfg.module
     if recipe == "intuitor":  # every one of the B x G responses has max_new_tokens tokens

@@ -142,6 +142,9 @@ class CRSPModule(pl.LightningModule):
         pl.Trainer(max_steps=20, gradient_clip_val=None).fit(module, datamodule=CodeTaskDataModule(tokenizer))
     """
 
+    # Responses are sampled until end-of-sequence: `lit-memopt estimate` sizes the worst case (all at max_new_tokens).
+    generates_until_eos = True
+
     summary_keys = ("train/reward_propose", "train/reward_solve", "train/reward_critique", "train/solve_rate",
                     "train/proposal_valid_rate", "train/sandbox_cache_hit_rate", "val/solve_rate",
                     "val/proposal_valid_rate")

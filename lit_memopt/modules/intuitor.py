@@ -96,6 +96,9 @@ class IntuitorModule(pl.LightningModule):
         module = IntuitorModule(cfg, cfg.build_tokenizer(), num_samples=4, max_new_tokens=8)
     """
 
+    # Responses are sampled until end-of-sequence: `lit-memopt estimate` sizes the worst case (all at max_new_tokens).
+    generates_until_eos = True
+
     summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/self_certainty")
 
     def __init__(

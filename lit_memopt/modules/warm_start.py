@@ -171,9 +171,10 @@ def warm_start_in_setup(module: Any, model: torch.nn.Module, config: WarmStart,
     that writes its own prompts around the datamodule's tasks. Every rank fits the same examples from the same seed (no file shared between
     processes); a single process caches the weights (``config.path`` or ``warm_start.pt`` in the run dir).
     """
-    if config.steps == 0 or getattr(module, "_warm_started", False):
+    trainer = getattr(module, "_trainer", None)
+    # Without a Trainer (a module set up by hand, e.g. to start CRSP's sandbox) there is no fit to prepare.
+    if config.steps == 0 or getattr(module, "_warm_started", False) or trainer is None:
         return
-    trainer = module.trainer
     if trainer.ckpt_path is not None:
         return
     module._warm_started = True
