@@ -26,6 +26,10 @@ TILE_ALIGN = 128
 # On CUDA no tile may take more than this fraction of the currently free memory.
 CUDA_FREE_FRACTION = 16
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+# exp(x) is computed as exp2(x * log2(e)): torch's vectorized exp2 takes about half the time of
+# its exp on x86 CPUs (measured: 0.75 vs 1.6 ms per 1M fp32 elements, one thread, multiply
+# included), and the two exponentials per logit are the largest cost of a tile after its matmuls.
+LOG2_E = 1.0 / math.log(2.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,6 +129,12 @@ def check_mask(mask: object, hidden: Tensor) -> Optional[Tensor]:
     if mask.device != hidden.device:
         raise ValueError(f"`mask` is on {mask.device} but `hidden` is on {hidden.device}; move them to one device")
     return mask.bool()
+
+
+def exp_(x: Tensor) -> Tensor:
+    """``exp(x)`` in place, through ``exp2`` (see :data:`LOG2_E`); the relative error stays within
+    a few fp32 ulps for the exponents a softmax meets (``x <= 0``)."""
+    return x.mul_(LOG2_E).exp2_()
 
 
 # --------------------------------------------------------------------------------------------

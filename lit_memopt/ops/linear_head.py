@@ -29,6 +29,7 @@ from lit_memopt.ops._head_tiles import (
     check_same_device,
     check_targets,
     check_weight_pair,
+    exp_,
     is_fake,
     resolve_precision,
     tile_sizes,
@@ -121,10 +122,10 @@ class _RunningSoftmax:
         rescale = torch.exp(self.max - new_max)
         if ref_z is not None:
             new_ref_max = torch.maximum(self.ref_max, ref_z.amax(1))
-            ref_e = torch.sub(ref_z, new_ref_max.unsqueeze(1), out=scratch).exp_()
+            ref_e = exp_(torch.sub(ref_z, new_ref_max.unsqueeze(1), out=scratch))
             self.ref_sum = self.ref_sum * torch.exp(self.ref_max - new_ref_max) + ref_e.sum(1)
             self.ref_max = new_ref_max
-        e = torch.sub(z, new_max.unsqueeze(1), out=scratch).exp_()
+        e = exp_(torch.sub(z, new_max.unsqueeze(1), out=scratch))
         self.sum = self.sum * rescale + e.sum(1)
         self.max = new_max
         if ref_z is not None:
@@ -202,7 +203,7 @@ def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optiona
     if spec.transform.softcap is not None and coeffs.g_ent is not None:
         slope_src = math_.stat_buffer("z_copy", n_rows, cols).copy_(z)
     keep_z = coeffs.g_ent is not None or ref_z is not None or spec.transform.softcap is not None
-    p = torch.sub(z, col(lse), out=math_.stat_buffer("p", n_rows, cols)).exp_() if keep_z else z.sub_(col(lse)).exp_()
+    p = exp_(torch.sub(z, col(lse), out=math_.stat_buffer("p", n_rows, cols)) if keep_z else z.sub_(col(lse)))
     extra = None
     if ref_z is not None:
         extra = ref_z.neg_().add_(z).sub_(col(mu_d)).mul_(col(coeffs.g_kl))
