@@ -373,6 +373,20 @@ def test_automatic_tiles_stay_small_at_real_scale():
         assert rows * cols <= budget and rows * h <= max(budget, h) and cols * h <= max(budget, h)
 
 
+def test_fast_tiles_are_wider_only_below_the_cap():
+    from lit_memopt.ops.linear_head import _MAX_TILE_ELEMENTS, _tile_sizes
+
+    cpu = torch.device("cpu")
+    # Below the cap "fast" may double the vocabulary tile (fewer bf16-rounded partial products).
+    assert _tile_sizes(None, 2048, 512, 32000, cpu, fast=True) == (2048, 1024)
+    assert _tile_sizes(None, 2048, 512, 32000, cpu) == (2048, 512)
+    for n, h, v in [(8192, 2560, 151936), (64 * 6144, 4096, 151936), (3, 7, 11), (100000, 64, 50)]:
+        rows, cols = _tile_sizes(None, n, h, v, cpu, fast=True)
+        assert rows * cols <= _MAX_TILE_ELEMENTS and cols * h <= max(_MAX_TILE_ELEMENTS, h)
+        if n * h >= _MAX_TILE_ELEMENTS:  # at the cap: the same tiles as "exact", so the same memory
+            assert (rows, cols) == _tile_sizes(None, n, h, v, cpu)
+
+
 def test_fused_peak_memory_is_a_fraction_of_naive():
     from lit_memopt.memory.fake import peak_during
 

@@ -29,6 +29,7 @@ from lit_memopt.ops._head_tiles import (
     check_same_device,
     check_targets,
     check_weight_pair,
+    exp_,
     is_fake,
     tile_starts,
     resolve_precision,
@@ -122,10 +123,10 @@ class _RunningSoftmax:
         rescale = torch.exp(self.max - new_max)
         if ref_z is not None:
             new_ref_max = torch.maximum(self.ref_max, ref_z.amax(1))
-            ref_e = torch.sub(ref_z, new_ref_max.unsqueeze(1), out=scratch).exp_()
+            ref_e = exp_(torch.sub(ref_z, new_ref_max.unsqueeze(1), out=scratch))
             self.ref_sum = self.ref_sum * torch.exp(self.ref_max - new_ref_max) + ref_e.sum(1)
             self.ref_max = new_ref_max
-        e = torch.sub(z, new_max.unsqueeze(1), out=scratch).exp_()
+        e = exp_(torch.sub(z, new_max.unsqueeze(1), out=scratch))
         self.sum = self.sum * rescale + e.sum(1)
         self.max = new_max
         if ref_z is not None:
@@ -204,7 +205,7 @@ def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optiona
     if spec.transform.softcap is not None and coeffs.g_ent is not None:
         slope_src = math_.stat_buffer("z_copy", n_rows, cols).copy_(z)
     keep_z = coeffs.g_ent is not None or ref_z is not None or spec.transform.softcap is not None
-    p = torch.sub(z, col(lse), out=math_.stat_buffer("p", n_rows, cols)).exp_() if keep_z else z.sub_(col(lse)).exp_()
+    p = exp_(torch.sub(z, col(lse), out=math_.stat_buffer("p", n_rows, cols)) if keep_z else z.sub_(col(lse)))
     extra = None
     if ref_z is not None:
         extra = ref_z.neg_().add_(z).sub_(col(mu_d)).mul_(col(coeffs.g_kl))
@@ -305,7 +306,11 @@ class _LinearHeadFunction(torch.autograd.Function):
                     w = math_.operand("w", weight[v0:v1], vt)
                     ref_w = math_.operand("ref_w", ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
                     gw_tile, overwrite_gw = None, False
-                    if need_w:
+                    # One row-tile product per vocabulary tile, already in the weight's dtype: it
+                    # goes straight into the gradient (the fp32 tile would only round-trip it).
+                    straight_gw = (need_w and not direct_gw and first_block and one_row_tile
+                                   and weight.dtype == math_.matmul_dtype and not math_.fp32_out)
+                    if need_w and not straight_gw:
                         # fp32 weights accumulate straight into the gradient across all blocks; a
                         # low-precision weight gets each block's fp32 tile sum added once (below).
                         gw_tile = grad_w[v0:v1] if direct_gw else math_.ws.get("gw", v1 - v0, size, vt * size, stat_dtype)
@@ -323,11 +328,13 @@ class _LinearHeadFunction(torch.autograd.Function):
                         operand = math_.grad_operand(grad_raw)
                         if need_h:
                             math_.accumulate("gh_p", gh_block[r0 - s0 : r1 - s0], operand, w, overwrite=False)
-                        if need_w:
+                        if straight_gw:
+                            torch.mm(operand.t(), h, out=grad_w[v0:v1])
+                        elif need_w:
                             math_.accumulate("gw_p", gw_tile, operand.t(), h, overwrite=overwrite_gw and one_row_tile)
                         if need_b:
                             grad_b_acc[v0:v1] += grad_raw.sum(0)
-                    if need_w and not direct_gw:
+                    if need_w and not direct_gw and not straight_gw:
                         # Each block's fp32 tile sum is rounded once into the bf16/fp16 gradient, as
                         # gradient accumulation over micro-batches would; an fp32 copy of the whole
                         # weight gradient is deliberately never made.
@@ -401,7 +408,7 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
             ref_rows = None if ref_rows is None else ref_rows.index_select(0, keep)
             flat_targets = None if flat_targets is None else flat_targets.index_select(0, keep)
     widest = max(size, ref_hidden.shape[-1]) if kl else size
-    row_tile, vocab_tile = tile_sizes(chunk_size, rows.shape[0], widest, vocab, hidden.device)
+    row_tile, vocab_tile = tile_sizes(chunk_size, rows.shape[0], widest, vocab, hidden.device, fast=fast)
     spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast)
     results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))

@@ -1,0 +1,136 @@
+"""How ``benchmarks/peers.py`` measures a method: exactness against float64, interleaved one-thread
+time, and peak memory with real tensors and with fake tensors at the real shape."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from lit_memopt.memory import memory_budget
+from lit_memopt.memory.fake import fake_mode, peak_during
+
+from benchmarks._peer_methods import NAIVE, Inputs, Method, Peer, _clear_grads, _inputs_in, make_inputs, methods_for, objective
+
+
+def exactness(methods: list[Method], x: Inputs) -> dict[str, dict[str, Any]]:
+    """Max abs error of each method's outputs and gradients against the naive path in float64."""
+    ref_x = _inputs_in(x, torch.float64)
+    naive = next(m for m in methods if m.name == NAIVE)
+    ref_out = naive.fn(ref_x)
+    objective(ref_out, ref_x).backward()
+    ref_values = (ref_out,) if isinstance(ref_out, torch.Tensor) else tuple(ref_out)
+    ref_values = tuple(v.detach() for v in ref_values)
+    ref_gh, ref_gw = ref_x["hidden"].grad, ref_x["weight"].grad
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        _clear_grads(x)
+        try:
+            values = m.fn(x)
+            objective(values, x).backward()
+        except Exception as exc:  # noqa: BLE001 - a peer failing here is reported, and skipped below
+            out[m.name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+            continue
+        values = (values,) if isinstance(values, torch.Tensor) else tuple(values)
+        out[m.name] = {
+            "value_err": max(float((v.detach().double() - r).abs().max()) for v, r in zip(values, ref_values)),
+            "grad_hidden_err": float((x["hidden"].grad.double() - ref_gh).abs().max()),
+            "grad_weight_err": float((x["weight"].grad.double() - ref_gw).abs().max()),
+            "out_dtype": str(values[0].dtype).replace("torch.", ""),
+        }
+    _clear_grads(x)
+    out["_reference_scale"] = {
+        "value_max": max(float(r.abs().max()) for r in ref_values),
+        "grad_hidden_max": float(ref_gh.abs().max()),
+        "grad_weight_max": float(ref_gw.abs().max()),
+    }
+    return out
+
+
+def _timed_step(method: Method, x: Inputs) -> float:
+    _clear_grads(x)
+    start = time.perf_counter()
+    objective(method.fn(x), x).backward()
+    return time.perf_counter() - start
+
+
+def interleaved_times(methods: list[Method], x: Inputs, reps: int) -> dict[str, list[float]]:
+    """Forward+backward seconds per repetition; every repetition runs every method once (order rotated)."""
+    for m in methods:  # warm-up: allocator, thread pools, torch.compile
+        _timed_step(m, x)
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    for rep in range(reps):
+        k = rep % len(methods)
+        for m in methods[k:] + methods[:k]:
+            times[m.name].append(_timed_step(m, x))
+    _clear_grads(x)
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over repetitions of ``time(a) / time(b)`` measured in the same repetition."""
+    return statistics.median(ta / tb for ta, tb in zip(times[a], times[b]))
+
+
+def real_memory(methods: list[Method], x: Inputs) -> dict[str, Any]:
+    """Peak bytes of new tensors during forward+backward, beyond the inputs' gradients (real tensors)."""
+    grad_bytes = x["hidden"].numel() * x["hidden"].element_size() + x["weight"].numel() * x["weight"].element_size()
+    out: dict[str, Any] = {}
+    for m in methods:
+        _clear_grads(x)
+        try:
+            with memory_budget(None) as probe:
+                objective(m.fn(x), x).backward()
+            out[m.name] = {"extra_bytes": int(probe.peak_bytes - grad_bytes)}
+        except Exception as exc:  # noqa: BLE001
+            out[m.name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    _clear_grads(x)
+    return out
+
+
+def fake_memory(op: str, dtype: torch.dtype, shape: dict[str, int], peers: dict[str, Peer], sequence_length: int) -> dict[str, Any]:
+    """Peak live bytes beyond inputs and their gradients at a real shape, under FakeTensorMode."""
+    out: dict[str, Any] = {}
+    methods, _ = methods_for(op, dtype, peers)
+    for m in methods:
+        kept: list[torch.Tensor] = []
+
+        def step(m: Method = m, x: Optional[Inputs] = None) -> None:
+            if m.grads_in_forward:
+                kept.append(objective(m.fn(x), x))  # the graph (and the gradients it saved) stays alive
+            else:
+                objective(m.fn(x), x).backward()
+
+        try:
+            # Liger's forward reads a scalar (`.item()`): a ShapeEnv lets fake tensors carry it as a symbol.
+            mode = FakeTensorMode(shape_env=ShapeEnv()) if m.grads_in_forward else fake_mode()
+            with mode:
+                x = make_inputs(shape, dtype, sequence_length=sequence_length)
+                seqs = x["advantages"].shape[0]
+                x["old_logp"] = torch.zeros(seqs, shape["tokens"] // seqs)
+                x["ref_logp"] = torch.zeros(seqs, shape["tokens"] // seqs)
+                leaves = [x["hidden"], x["weight"]]
+                grad_bytes = sum(t.numel() * t.element_size() for t in leaves)
+                stats = peak_during(lambda: step(x=x), *x.values())
+                kept.clear()
+            out[m.name] = {"extra_bytes": int(stats.extra_bytes - grad_bytes)}
+            if m.grads_in_forward:
+                out[m.name]["note"] = "forward only: it computes the gradients; its backward returns them when the loss gradient is 1"
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run under fake tensors is reported
+            out[m.name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    return out
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,278 @@
+"""The peers of ``benchmarks/peers.py`` and the methods it compares: which packages it imports (each
+optional, absent with its error when it cannot import), the inputs, and each op as every method computes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lit_memopt.ops import linear_logprobs, linear_logprobs_and_entropy, ppo_clip_loss
+
+TIME_SHAPE = {"tokens": 2048, "hidden": 512, "vocab": 32000}
+TIME_SHAPE_QUICK = {"tokens": 256, "hidden": 128, "vocab": 4000}
+REAL_MEMORY_SHAPE = TIME_SHAPE
+REAL_MEMORY_SHAPE_QUICK = {"tokens": 128, "hidden": 64, "vocab": 2000}
+FAKE_MEMORY_SHAPE = {"tokens": 8192, "hidden": 2560, "vocab": 151936}  # Qwen3-4B head, 8k tokens
+FAKE_MEMORY_SHAPE_QUICK = {"tokens": 1024, "hidden": 2560, "vocab": 151936}
+SEQUENCE_LENGTH = 256  # GRPO: tokens are [tokens // 256, 256] sequences
+SEQUENCE_LENGTH_QUICK = 64
+REPS, REPS_QUICK = 5, 2
+# GRPO settings shared by every implementation (Liger's defaults, with our k3 KL weight).
+GRPO = {"clip_eps": 0.2, "kl_coef": 0.04, "loss_type": "dapo"}
+
+OPS = ("logprobs", "logprobs_entropy", "grpo")
+NAIVE = "naive (full logits)"
+LIT_EXACT = 'lit-memopt "exact"'
+LIT_FAST = 'lit-memopt "fast"'
+
+Inputs = dict[str, torch.Tensor]
+
+
+# ------------------------------------------------------------------ the peers
+
+
+@dataclass
+class Peer:
+    """One optional package: the callables it offers, or why it is absent."""
+
+    name: str
+    package: str
+    version: Optional[str] = None
+    error: Optional[str] = None
+    api: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def available(self) -> bool:
+        return self.error is None
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _load(name: str, package: str, loader: Callable[[], dict[str, Any]]) -> Peer:
+    peer = Peer(name, package, version=_version(package))
+    try:
+        peer.api = loader()
+    except Exception as exc:  # noqa: BLE001 - any import failure makes the peer absent, with its reason
+        peer.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return peer
+
+
+def _load_torch_chunked() -> dict[str, Any]:
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        raise ImportError(f"torch {torch.__version__} has no F.linear_cross_entropy with LinearCrossEntropyOptions (new in 2.13)")
+    return {"linear_cross_entropy": F.linear_cross_entropy, "options": torch.nn.LinearCrossEntropyOptions}
+
+
+def _load_cce() -> dict[str, Any]:
+    # Cut Cross-Entropy imports triton at package import, even for impl="torch_compile".
+    module = importlib.import_module("cut_cross_entropy")
+    return {"linear_cross_entropy": module.linear_cross_entropy}
+
+
+def _load_liger_grpo() -> dict[str, Any]:
+    module = importlib.import_module("liger_kernel.chunked_loss")
+    return {"grpo_loss": module.LigerFusedLinearGRPOLoss}
+
+
+def _load_liger_flce() -> dict[str, Any]:
+    module = importlib.import_module("liger_kernel.ops.fused_linear_cross_entropy")
+    function = module.LigerFusedLinearCrossEntropyFunction
+    # Its kernels are Triton: importable with triton installed, but they need a GPU driver to run.
+    probe = torch.zeros(2, 2, requires_grad=True)
+    function.apply(probe, torch.zeros(3, 2), torch.zeros(2, dtype=torch.long))
+    return {"function": function}
+
+
+def _load_trl_full_logits() -> dict[str, Any]:
+    module = importlib.import_module("trl.trainer.utils")
+    return {"selective_log_softmax": module.selective_log_softmax, "entropy_from_logits": module.entropy_from_logits}
+
+
+def _load_trl_chunked() -> dict[str, Any]:
+    importlib.import_module("trl.trainer.utils")  # its backward imports this module; fail here, not mid-benchmark
+    module = importlib.import_module("trl.kernels")
+    return {"function": module.ChunkedLogProbFunction}
+
+
+PEER_LOADERS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
+    "torch chunked": ("torch", _load_torch_chunked),
+    "Cut Cross-Entropy": ("cut-cross-entropy", _load_cce),
+    "Liger chunked_loss": ("liger-kernel", _load_liger_grpo),
+    "Liger fused linear CE": ("liger-kernel", _load_liger_flce),
+    "TRL full logits": ("trl", _load_trl_full_logits),
+    "TRL chunked": ("trl", _load_trl_chunked),
+}
+
+# ------------------------------------------------------------------ inputs and the methods
+
+
+def make_inputs(shape: dict[str, int], dtype: torch.dtype, seed: int = 0, sequence_length: int = SEQUENCE_LENGTH) -> Inputs:
+    """Head inputs in ``dtype`` (drawn in fp32, then cast), plus what each op's objective needs."""
+    n, h, v = shape["tokens"], shape["hidden"], shape["vocab"]
+    gen = torch.Generator().manual_seed(seed)
+    seqs = max(1, n // sequence_length)
+    x = {
+        "hidden": torch.randn(n, h, generator=gen).to(dtype).requires_grad_(),
+        "weight": (torch.randn(v, h, generator=gen) * h**-0.5).to(dtype).requires_grad_(),
+        "targets": torch.randint(0, v, (n,), generator=gen),
+        # per-token upstream weights: the objective is sum(out * w), so gradients are generic
+        "w_logprobs": torch.randn(n, generator=gen),
+        "w_entropy": torch.randn(n, generator=gen),
+        "advantages": torch.randn(seqs, generator=gen),
+        "old_noise": 0.1 * torch.randn(n, generator=gen),
+        "ref_noise": 0.1 * torch.randn(n, generator=gen),
+    }
+    return x
+
+
+def add_grpo_logps(x: Inputs, sequence_length: int) -> None:
+    """Old and reference log-probs near the current policy's (exact float64 log-probs plus noise)."""
+    with torch.no_grad():
+        logits = x["hidden"].double() @ x["weight"].double().t()
+        logp = torch.log_softmax(logits, -1).gather(-1, x["targets"].unsqueeze(-1)).squeeze(-1).float()
+    seqs = max(1, x["hidden"].shape[0] // sequence_length)
+    x["old_logp"] = (logp + x["old_noise"]).view(seqs, -1)
+    x["ref_logp"] = (logp + x["ref_noise"]).view(seqs, -1)
+
+
+def _inputs_in(x: Inputs, dtype: torch.dtype) -> Inputs:
+    """The same values in another float dtype (the float64 reference), as fresh leaves."""
+    out = {}
+    for key, t in x.items():
+        if t.is_floating_point() and key in ("hidden", "weight"):
+            out[key] = t.detach().to(dtype).requires_grad_()
+        elif t.is_floating_point():
+            out[key] = t.to(dtype)
+        else:
+            out[key] = t
+    return out
+
+
+def _naive_logits(x: Inputs) -> torch.Tensor:
+    # What a HF model + a typical RL loss does: logits in the model dtype, upcast for the softmax.
+    return (x["hidden"] @ x["weight"].t()).float() if x["hidden"].dtype != torch.float64 else x["hidden"] @ x["weight"].t()
+
+
+def _naive_logprobs(x: Inputs) -> torch.Tensor:
+    return torch.log_softmax(_naive_logits(x), -1).gather(-1, x["targets"].unsqueeze(-1)).squeeze(-1)
+
+
+def _naive_logprobs_entropy(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    logp_all = torch.log_softmax(_naive_logits(x), -1)
+    picked = logp_all.gather(-1, x["targets"].unsqueeze(-1)).squeeze(-1)
+    return picked, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _grpo_from_logprobs(logp: torch.Tensor, x: Inputs) -> torch.Tensor:
+    seqs = x["advantages"].shape[0]
+    return ppo_clip_loss(logp.view(seqs, -1), x["old_logp"], x["advantages"], ref_logp=x["ref_logp"],
+                         clip_eps=GRPO["clip_eps"], kl_coef=GRPO["kl_coef"], loss_type=GRPO["loss_type"])
+
+
+@dataclass
+class Method:
+    """One implementation of one op: ``fn(x)`` gives per-token outputs (a tuple) or, for GRPO, the loss."""
+
+    name: str
+    fn: Callable[[Inputs], Any]
+    peer: Optional[str] = None  # None: naive or lit-memopt
+    # The forward computes the gradients and the backward only hands them out (Liger's chunked losses):
+    # under fake tensors the forward alone is measured, its peak is the step's.
+    grads_in_forward: bool = False
+
+
+def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer]) -> tuple[list[Method], list[dict[str, str]]]:
+    """The methods that compute ``op`` here, and the peers that could not (name, reason)."""
+    lit = [(LIT_EXACT, "exact")] + ([(LIT_FAST, "fast")] if dtype in (torch.bfloat16, torch.float16) else [])
+    methods: list[Method] = []
+    absent: list[dict[str, str]] = []
+
+    def peer_method(peer_name: str, label: str, make: Callable[[dict[str, Any]], Callable[[Inputs], Any]],
+                    grads_in_forward: bool = False) -> None:
+        peer = peers.get(peer_name)
+        if peer is None:
+            return
+        if peer.available:
+            methods.append(Method(label, make(peer.api), peer_name, grads_in_forward))
+        else:
+            absent.append({"peer": peer_name, "method": label, "error": peer.error or ""})
+
+    if op == "logprobs":
+        methods.append(Method(NAIVE, lambda x: (_naive_logprobs(x),)))
+        for label, precision in lit:
+            methods.append(Method(label, lambda x, p=precision: (linear_logprobs(x["hidden"], x["weight"], x["targets"], precision=p),)))
+        peer_method("torch chunked", "torch F.linear_cross_entropy (chunked)", lambda api: (
+            lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): (
+                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", options=opts),)))
+        peer_method("Cut Cross-Entropy", "Cut Cross-Entropy (torch_compile)", lambda api: (
+            lambda x, lce=api["linear_cross_entropy"]: (
+                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", impl="torch_compile"),)))
+        peer_method("Liger fused linear CE", "Liger fused linear CE", lambda api: (
+            lambda x, fn=api["function"]: (-fn.apply(x["hidden"], x["weight"], x["targets"]),)))
+        peer_method("TRL full logits", "TRL selective_log_softmax", lambda api: (
+            lambda x, sls=api["selective_log_softmax"]: (sls(x["hidden"] @ x["weight"].t(), x["targets"]),)))
+        peer_method("TRL chunked", "TRL ChunkedLogProbFunction", lambda api: (
+            lambda x, fn=api["function"]: (fn.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, 32768, None, 1.0, ())[0],)))
+    elif op == "logprobs_entropy":
+        methods.append(Method(NAIVE, _naive_logprobs_entropy))
+        for label, precision in lit:
+            methods.append(Method(label, lambda x, p=precision: linear_logprobs_and_entropy(
+                x["hidden"], x["weight"], x["targets"], precision=p)))
+
+        def trl_full(api: dict[str, Any]) -> Callable[[Inputs], Any]:
+            def fn(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+                logits = x["hidden"] @ x["weight"].t()
+                return api["selective_log_softmax"](logits, x["targets"]), api["entropy_from_logits"](logits)
+            return fn
+
+        peer_method("TRL full logits", "TRL selective_log_softmax + entropy_from_logits", trl_full)
+        peer_method("TRL chunked", "TRL ChunkedLogProbFunction", lambda api: (
+            lambda x, fn=api["function"]: fn.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, 32768, None, 1.0, ("entropy",))[:2]))
+    elif op == "grpo":
+        methods.append(Method(NAIVE, lambda x: _grpo_from_logprobs(_naive_logprobs(x), x)))
+        for label, precision in lit:
+            methods.append(Method(label, lambda x, p=precision: _grpo_from_logprobs(
+                linear_logprobs(x["hidden"], x["weight"], x["targets"], precision=p), x)))
+
+        def liger_grpo(api: dict[str, Any]) -> Callable[[Inputs], Any]:
+            loss_module = api["grpo_loss"](beta=GRPO["kl_coef"], epsilon_low=GRPO["clip_eps"], epsilon_high=GRPO["clip_eps"],
+                                           loss_type=GRPO["loss_type"], use_ref_model=True)
+
+            def fn(x: Inputs) -> torch.Tensor:
+                seqs = x["advantages"].shape[0]
+                hidden = x["hidden"].view(seqs, -1, x["hidden"].shape[-1])
+                targets = x["targets"].view(seqs, -1)
+                out = loss_module(hidden, x["weight"], targets, torch.ones_like(targets), x["advantages"],
+                                  ref_per_token_logps=x["ref_logp"], old_per_token_logps=x["old_logp"])
+                return out[0] if isinstance(out, tuple) else out
+            return fn
+
+        peer_method("Liger chunked_loss", "Liger LigerFusedLinearGRPOLoss", liger_grpo, grads_in_forward=True)
+    else:
+        raise ValueError(f"`op` must be one of {OPS}, got {op!r}")
+    return methods, absent
+
+
+def objective(out: Any, x: Inputs) -> torch.Tensor:
+    """The scalar each method's backward starts from: the GRPO loss, or per-token outputs weighted."""
+    if isinstance(out, torch.Tensor):
+        return out
+    weights = (x["w_logprobs"], x["w_entropy"])
+    return sum((o.to(w.dtype) * w).sum() for o, w in zip(out, weights))
+
+
+def _clear_grads(x: Inputs) -> None:
+    x["hidden"].grad = None
+    x["weight"].grad = None
+
