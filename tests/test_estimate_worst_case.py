@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -20,6 +23,26 @@ from lit_memopt.memory.step import (
     _standalone,
 )
 from lit_memopt.memory.worst_case import WorstCaseValues, filler_token_id
+
+_CHILD = "LIT_MEMOPT_WORST_CASE_CHILD"
+
+
+def _ran_in_a_fresh_interpreter(request: pytest.FixtureRequest) -> bool:
+    """Run this test in a child pytest process and check it passed there; ``False`` inside that child.
+
+    Why: a CI run once died of a segmentation fault in a later, unrelated test of the same process, and the
+    suspect is this module's WorstCaseValues (it replays ops on real values next to fake tensors); in a child
+    process a memory fault fails this test by name instead of killing whatever runs next. Root cause open.
+    """
+    if os.environ.get(_CHILD) == "1":
+        return False
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        cwd=request.config.rootpath, env={**os.environ, _CHILD: "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    return True
+
 
 # The embedded tiny model with 2 blocks (a full trace, no extrapolation) and short responses: seconds, not minutes.
 SMALL = ["model.arch.num_hidden_layers=2", "trainer.accelerator=cpu"]
@@ -70,7 +93,9 @@ def _measured_worst_case_peak(cfg, filler: int, monkeypatch) -> tuple[int, objec
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_worst_case_estimate_matches_a_real_step_generating_to_max_new_tokens(recipe: str, monkeypatch) -> None:  # noqa: ANN001
+def test_worst_case_estimate_matches_a_real_step_generating_to_max_new_tokens(recipe: str, monkeypatch, request) -> None:  # noqa: ANN001
+    if _ran_in_a_fresh_interpreter(request):
+        return
     cfg = _compose([f"recipe={recipe}", *SMALL, *RECIPES[recipe]])
     report = estimate_recipe(cfg)
     est = report.estimate
@@ -89,7 +114,9 @@ def test_worst_case_estimate_matches_a_real_step_generating_to_max_new_tokens(re
     assert abs(est.peak_bytes - measured) <= 0.10 * measured, (recipe, est.peak_bytes, measured)
 
 
-def test_values_are_followed_and_unknown_values_are_refused() -> None:
+def test_values_are_followed_and_unknown_values_are_refused(request) -> None:  # noqa: ANN001
+    if _ran_in_a_fresh_interpreter(request):
+        return
     from lit_memopt.memory import fake_mode
     from lit_memopt.memory.worst_case import UnknownValueError
 
