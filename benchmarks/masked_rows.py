@@ -11,7 +11,7 @@ Rows are masked as in RL: in each sequence, the first 75% (the prompt) carry no 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import platform
 import statistics
 import sys
@@ -24,10 +24,10 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/masked_rows.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._results import write_results  # noqa: E402
 from lit_memopt.memory import memory_budget  # noqa: E402
 from lit_memopt.ops import linear_logprobs  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = {"tokens": 2048, "hidden": 512, "vocab": 32000}
 QUICK_SHAPE = {"tokens": 512, "hidden": 256, "vocab": 8000}
 SEQUENCE_LENGTH = 256
@@ -104,16 +104,14 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
     torch.set_num_threads(1)
     try:
         shape, reps = (QUICK_SHAPE, 3) if quick else (SHAPE, 7)
-        load = "%.1f" % __import__("os").getloadavg()[0]
+        load = f"{os.getloadavg()[0]:.1f}"
         cases = {f"{name} · {precision}": measure(shape, dtype, precision, reps) for name, dtype, precision in CASES}
     finally:
         torch.set_num_threads(threads)
     result = {"quick": quick, "shape": shape, "reps": reps, "torch": torch.__version__, "machine": platform.platform(),
               "load": load, "cases": cases}
     if write:
-        stem = RESULTS / f"masked_rows_cpu{'_quick' if quick else ''}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(to_markdown(result))
+        write_results(f"masked_rows_cpu{'_quick' if quick else ''}", result, to_markdown(result))
     rows = []
     for name, r in cases.items():
         rows.append({"case": "masked_rows", "metric": f"{name}: fwd+bwd time, 75% rows masked", "baseline": r["unmasked_s"],

@@ -2,13 +2,14 @@
 
 The built-in bank (``code_tasks.TASK_BANK``: Fibonacci, Collatz, Caesar ciphers...) is far beyond a
 random-init model of a few M parameters, so on the embedded default CRSP would only show a pipeline.
-This family is chosen so that such a model *can* learn it after a short warm start, but not perfectly:
+This family is meant to be within such a model's reach after a warm start, but not solved by it:
 ``def f(x): return x + 3`` on small integers, ``def f(s): return s[::-1]`` on short strings. Predicting
-an output needs reading the program and computing (copy, reverse, small arithmetic), which a tiny
-transformer gets partly right; execution-checked rewards can then improve it.
+an output needs reading the program and computing (copy, reverse, small arithmetic). Measured on the
+embedded default (3.2M parameters, 300 warm-start steps): held-out solve rate 0.09, with ``len``/``count``
+tasks partly right and the copy-type ones (``upper``, ``reverse``, ``repeat``) not yet.
 
 Every task's outputs are known without running generated code: each template carries its own
-pure-Python meaning (``GrammarTemplate.apply``), used for the warm-start answers. During training the
+pure-Python meaning (``GrammarTemplate.meaning``), used for the warm-start answers. During training the
 outputs still come from executing the program in the sandbox, as for any task.
 
 Held out: a deterministic 1-in-8 split of ``(program, input)`` pairs (a hash, not Python's salted

@@ -6,9 +6,10 @@ from executing ``call_program(...)`` in :class:`lit_memopt.rewards.sandbox.Sandb
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -90,27 +91,15 @@ TASK_BANK: tuple[CodeTask, ...] = (
 )
 
 
-class _GrammarSampler(Dataset):
-    """``length`` seeded training tasks of the grammar family (none contains a held-out pair)."""
-
-    def __init__(self, length: int, seed: int) -> None:
-        self.length = int(length)
-        self.seed = int(seed)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> CodeTask:
-        from lit_memopt.data.code_grammar import sample_task  # the grammar module builds on CodeTask
-
-        return sample_task(random.Random(self.seed * 1_000_003 + int(index)), held_out=False)
-
-
 class _TaskSampler(Dataset):
-    """``length`` seeded draws from the bank (a map-style dataset: reproducible and resumable)."""
+    """``length`` seeded draws (a map-style dataset: reproducible and resumable).
 
-    def __init__(self, bank: Sequence[CodeTask], length: int, seed: int) -> None:
-        self.bank = list(bank)
+    Item ``i`` is ``draw(random.Random(seed * 1_000_003 + i))``: from the bank (:func:`_draw_from_bank`)
+    or from the grammar family (``code_grammar.sample_task``).
+    """
+
+    def __init__(self, draw: Callable[[random.Random], CodeTask], length: int, seed: int) -> None:
+        self.draw = draw
         self.length = int(length)
         self.seed = int(seed)
 
@@ -118,7 +107,11 @@ class _TaskSampler(Dataset):
         return self.length
 
     def __getitem__(self, index: int) -> CodeTask:
-        return self.bank[random.Random(self.seed * 1_000_003 + int(index)).randrange(len(self.bank))]
+        return self.draw(random.Random(self.seed * 1_000_003 + int(index)))
+
+
+def _draw_from_bank(bank: Sequence[CodeTask], rng: random.Random) -> CodeTask:
+    return bank[rng.randrange(len(bank))]
 
 
 def _collate(tasks: list[CodeTask]) -> dict[str, Any]:
@@ -198,13 +191,15 @@ class CodeTaskDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.family == "grammar":
-            from lit_memopt.data.code_grammar import held_out_tasks
+            # The grammar module builds on CodeTask (this module): imported here, not at the top.
+            from lit_memopt.data.code_grammar import held_out_tasks, sample_task
 
-            self.train_set = _GrammarSampler(self.num_samples, self.seed)
+            self.train_set = _TaskSampler(functools.partial(sample_task, held_out=False), self.num_samples, self.seed)
             self.val_set = held_out_tasks(self.num_val, self.seed + 1)
         else:
-            self.train_set = _TaskSampler(self.tasks, self.num_samples, self.seed)
-            self.val_set = _TaskSampler(self.tasks, self.num_val, self.seed + 1)
+            draw = functools.partial(_draw_from_bank, self.tasks)
+            self.train_set = _TaskSampler(draw, self.num_samples, self.seed)
+            self.val_set = _TaskSampler(draw, self.num_val, self.seed + 1)
 
     def warm_start_tasks(self, count: int, seed: int) -> list[CodeTask]:
         """``count`` fresh grammar tasks with their outputs (``task.meta["outputs"]``), none held out.
