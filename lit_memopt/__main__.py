@@ -1,5 +1,5 @@
 """``python -m lit_memopt`` runs the ``lit-memopt`` command."""
 
-from lit_memopt.cli import main
+from lit_memopt.cli import console_main
 
-raise SystemExit(main())
+console_main()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -265,8 +266,11 @@ class _Estimator:
         est = None
         if self.blocks is not None:
             try:
+                # The check trace runs in a forked copy alongside the probes where that is safe; not with a
+                # sandbox, whose worker pipes the two processes would share.
+                parallel = getattr(self.run.module, "sandbox", None) is None
                 est = estimate_with_blocks(self.run.module, batch, self.total_blocks, built_blocks=self.blocks,
-                                           check=self.check if check is None else check, **kwargs)
+                                           check=self.check if check is None else check, parallel=parallel, **kwargs)
             except LinearityError as exc:
                 self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
                 self.blocks = None
@@ -278,10 +282,16 @@ class _Estimator:
         return est
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (a trace may run in a forked copy)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def estimate_recipe(cfg: Any) -> EstimateReport:
     """Everything ``lit-memopt estimate`` prints, without printing it."""
     opts = _options(cfg)
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
     estimator = _Estimator(cfg, opts["check"], opts["per_rank"])
     try:
         batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
@@ -319,7 +329,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         measured_peak_bytes=measured,
         device=device,
         build_seconds=time.perf_counter() - started,
-        cpu_seconds=time.process_time() - cpu_started,
+        cpu_seconds=_cpu_seconds() - cpu_started,
         notes=estimator.notes,
         per_rank=opts["per_rank"],
     )

@@ -1,0 +1,144 @@
+"""The check trace in a forked copy of the process (``memory.forked``), and the tracker's lean per-op path."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import lit_memopt.memory.blocks as blocks
+from lit_memopt.memory import estimate_peak, fake_mode
+from lit_memopt.memory.blocks import estimate_with_blocks
+from lit_memopt.memory.forked import ForkedCall, ForkedCallFailed, can_fork
+from lit_memopt.memory.tracker import StepTracker
+from lit_memopt.models import ModelConfig
+from lit_memopt.modules.sft import SFTModule
+
+needs_fork = pytest.mark.skipif(not can_fork(), reason="forking needs Linux, two cores and a single thread")
+ARCH = {
+    "model_type": "qwen3", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 192,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 256, "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1,
+}
+
+
+def _fake_sft(blocks_built: int) -> SFTModule:
+    with fake_mode():
+        return SFTModule(ModelConfig(name="t", arch={**ARCH, "num_hidden_layers": blocks_built}), lr=1e-3,
+                         gradient_checkpointing=True)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 384, (4, 40), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def _same(a, b) -> None:  # noqa: ANN001
+    assert (a.peak_bytes, a.peak_phase, a.phase_peaks, a.phase_breakdowns, a.reserved_peak_bytes) == (
+        b.peak_bytes, b.peak_phase, b.phase_peaks, b.phase_breakdowns, b.reserved_peak_bytes)
+    assert [m.as_dict() for m in a.modules] == [m.as_dict() for m in b.modules]
+
+
+@needs_fork
+def test_forked_call_returns_the_childs_value() -> None:
+    parent = os.getpid()
+    pid, threads = ForkedCall(lambda: (os.getpid(), torch.get_num_threads())).result(timeout=60)
+    assert pid != parent and threads == 1
+
+
+@needs_fork
+def test_forked_call_reraises_the_childs_exception_or_reports_what_it_cannot_send() -> None:
+    def bad_value():  # noqa: ANN202
+        raise ValueError("bad value in the child")
+
+    with pytest.raises(ValueError, match="bad value in the child"):
+        ForkedCall(bad_value).result(timeout=60)
+
+    class Unpicklable(Exception):
+        def __reduce__(self):  # noqa: ANN204
+            raise TypeError("cannot pickle")
+
+    def unpicklable():  # noqa: ANN202
+        raise Unpicklable("local class")
+
+    with pytest.raises(ForkedCallFailed, match="Unpicklable"):
+        ForkedCall(unpicklable).result(timeout=60)
+    with pytest.raises(ForkedCallFailed, match="sent no result"):
+        ForkedCall(lambda: os._exit(3)).result(timeout=60)
+
+
+@needs_fork
+def test_a_child_past_its_timeout_is_killed() -> None:
+    call = ForkedCall(lambda: time.sleep(60))
+    started = time.monotonic()
+    with pytest.raises(ForkedCallFailed, match="within 1 s"):
+        call.result(timeout=1)
+    assert time.monotonic() - started < 10
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(call._pid, 0)
+
+
+def test_no_fork_while_another_thread_runs() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert not can_fork()
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@needs_fork
+def test_the_check_trace_in_a_forked_copy_gives_the_sequential_result(monkeypatch) -> None:  # noqa: ANN001
+    batch = _batch()
+    sequential = estimate_with_blocks(_fake_sft(3), batch, 9, optimizer_foreach=True)
+    forks = []
+
+    class Counting(ForkedCall):
+        def __init__(self, fn) -> None:  # noqa: ANN001
+            forks.append(fn)
+            super().__init__(fn)
+
+    monkeypatch.setattr(blocks, "ForkedCall", Counting)
+    parallel = estimate_with_blocks(_fake_sft(3), batch, 9, optimizer_foreach=True, parallel=True)
+    assert len(forks) == 1
+    _same(parallel, sequential)
+    assert parallel.method == sequential.method
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_failed_child_falls_back_to_tracing_here(monkeypatch) -> None:  # noqa: ANN001
+    batch = _batch()
+    sequential = estimate_with_blocks(_fake_sft(3), batch, 9, optimizer_foreach=True)
+
+    class Failing:
+        def __init__(self, fn) -> None:  # noqa: ANN001
+            pass
+
+        def result(self, timeout: float):  # noqa: ANN201
+            raise ForkedCallFailed("simulated crash")
+
+    monkeypatch.setattr(blocks, "ForkedCall", Failing)
+    monkeypatch.setattr(blocks, "can_fork", lambda: True)
+    _same(estimate_with_blocks(_fake_sft(3), batch, 9, optimizer_foreach=True, parallel=True), sequential)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lean_per_op_bookkeeping_matches_the_stock_tracker(monkeypatch) -> None:  # noqa: ANN001
+    """Skipping peak updates after ops that add no memory, and `.device` reads, changes no number."""
+    batch = _batch()
+    lean = estimate_peak(_fake_sft(2), batch, optimizer_foreach=True)
+
+    def stock(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+        if kwargs and kwargs.get("generator") is not None:
+            kwargs = {**kwargs, "generator": None}
+        return MemTracker.__torch_dispatch__(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(StepTracker, "__torch_dispatch__", stock)
+    _same(lean, estimate_peak(_fake_sft(2), batch, optimizer_foreach=True))
