@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from lit_memopt.memory.batch import resize_batch
-from lit_memopt.memory.blocks import CHECK_BLOCKS, LinearityError, estimate_with_blocks
+from lit_memopt.memory.blocks import CHECK_BLOCKS, SHIFTED_CHECK_BLOCKS, LinearityError, estimate_with_blocks
 from lit_memopt.memory.search import DEFAULT_SAFETY_MARGIN, BatchFit, largest_micro_batch, parse_memory_size
 from lit_memopt.memory.step import (
     BREAKDOWN_LABELS,
@@ -228,7 +228,9 @@ class _Estimator:
         from hydra.utils import instantiate
 
         self.total_blocks = block_count(instantiate(cfg.model))
-        self.blocks = CHECK_BLOCKS if self.total_blocks is not None and self.total_blocks > CHECK_BLOCKS else None
+        # Built with 4 blocks: 1, 2 and 3 are traced, and 4 when the 1-block trace is off the line.
+        self.blocks = (min(self.total_blocks, SHIFTED_CHECK_BLOCKS)
+                       if self.total_blocks is not None and self.total_blocks > CHECK_BLOCKS else None)
         self.run = build_fake_run(cfg, self.blocks)
         self.cache: dict[int | None, PeakEstimate] = {}
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.

@@ -127,3 +127,38 @@ def test_head_tiles_skipped_on_fake_tensors_leave_the_same_peak(monkeypatch) -> 
     assert peak(False) == sampled
     assert max(calls) > 3  # the full loop really had interior tiles to skip
     assert len(original(0, 1000, 96, values=False)) == 3 and list(original(0, 1000, 96)) == list(range(0, 1000, 96))
+
+
+class _KinkAtOneBlock(pl.LightningModule):
+    """A forward whose peak is a fixed scratch buffer with 1 block and the blocks' activations from 2 on."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(blocks))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        # more than one block's forward adds, less than two: alive only before the blocks run
+        scratch = torch.ones(int(2.5 * batch.shape[0]), 64)
+        out = batch + scratch[: batch.shape[0]].sum() * 0
+        del scratch
+        for layer in self.layers:
+            out = torch.tanh(layer(out))
+        return out.square().sum()
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_one_block_trace_off_the_line_moves_the_window_up() -> None:
+    batch = torch.randn(4096, 64)
+    with fake_mode():
+        module = _KinkAtOneBlock(4)
+    est = estimate_with_blocks(module, batch, 12, built_blocks=4)
+    assert "blocks traced: 2 and 3" in est.method and "checked with a trace of 4" in est.method
+    with fake_mode():
+        full = estimate_peak(_KinkAtOneBlock(12), batch)
+    assert est.phase_peaks == full.phase_peaks and est.peak_bytes == full.peak_bytes
+    with fake_mode():
+        three = _KinkAtOneBlock(3)
+    with pytest.raises(LinearityError, match="peak with 3 blocks"):  # no 4th block to move to
+        estimate_with_blocks(three, batch, 12)

@@ -26,10 +26,13 @@ from lit_memopt.memory.step import PeakEstimate, estimate_peak
 from lit_memopt.memory.tracker import ModuleMemory
 
 __all__ = ["count_blocks", "truncated_blocks", "extrapolate", "estimate_with_blocks", "LinearityError",
-           "PROBE_BLOCKS", "CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
+           "PROBE_BLOCKS", "CHECK_BLOCKS", "SHIFTED_PROBE_BLOCKS", "SHIFTED_CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
 
 PROBE_BLOCKS = (1, 2)
 CHECK_BLOCKS = 3
+# Where the 1-block trace is off the line (its peak falls elsewhere), the window moves up one block.
+SHIFTED_PROBE_BLOCKS = (2, 3)
+SHIFTED_CHECK_BLOCKS = 4
 # Relative disagreement allowed at the check point. Live bytes are integers that are exactly affine
 # for a stack of identical blocks; the tolerance only absorbs a block count that changes a chunk size.
 LINEARITY_TOLERANCE = 0.001
@@ -133,6 +136,17 @@ def extrapolate(estimates: Sequence[PeakEstimate], blocks: Sequence[int], num_bl
     )
 
 
+def _check_line(traces: dict[int, PeakEstimate], probes: Sequence[int], at: int) -> None:
+    """Raise ``LinearityError`` unless every phase peak of ``traces[at]`` is on the line through ``probes``."""
+    predicted = extrapolate([traces[k] for k in probes], probes, at)
+    for phase, value in traces[at].phase_peaks.items():
+        line = predicted.phase_peaks.get(phase)
+        if line is None or abs(line - value) > LINEARITY_TOLERANCE * max(value, 1):
+            raise LinearityError(
+                f"the {phase} peak with {at} blocks is {value} bytes, the line through {tuple(probes)} blocks says {line}"
+            )
+
+
 def estimate_with_blocks(
     module: torch.nn.Module,
     batch: Any,
@@ -145,14 +159,16 @@ def estimate_with_blocks(
 ) -> PeakEstimate:
     """:func:`estimate_peak` of ``module`` as if it had ``num_blocks`` blocks, from traces of 1 and 2 (and 3).
 
-    ``module`` was built with ``built_blocks`` blocks per decoder (3; 2 is enough when ``check=False``).
+    ``module`` was built with ``built_blocks`` blocks per decoder (3; 2 is enough when ``check=False``;
+    with 4, a 3-block trace off the line through 1 and 2 gets a second chance: probes 2 and 3, checked with 4).
     ``parallel=True`` runs the check trace in a forked copy of the process while this one runs the
     probes (``memory.forked``; where forking is unsafe, or the child fails, it runs here after them):
     the estimate then takes about as long as the probes. Keyword arguments go to :func:`estimate_peak`.
 
     Raises:
         LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
-            than ``LINEARITY_TOLERANCE`` in a phase's peak): trace the whole model instead.
+            than ``LINEARITY_TOLERANCE`` in a phase's peak), and, when built with 4, the 4-block trace
+            with the line through 2 and 3: trace the whole model instead.
         ValueError: the module has fewer blocks than the traces need.
     """
     need = CHECK_BLOCKS if check else max(PROBE_BLOCKS)
@@ -180,20 +196,28 @@ def estimate_with_blocks(
         traces[largest] = child.result(timeout=60 + 3 * (time.perf_counter() - started))
     except ForkedCallFailed:
         traces[largest] = trace(largest)
-    probes = [traces[k] for k in PROBE_BLOCKS]
-    method = f"blocks traced: {PROBE_BLOCKS[0]} and {PROBE_BLOCKS[1]}, extrapolated to {num_blocks}"
+    probe_counts = PROBE_BLOCKS
     if check:
-        predicted = extrapolate(probes, PROBE_BLOCKS, CHECK_BLOCKS)
-        actual = traces[CHECK_BLOCKS]
-        for phase, value in actual.phase_peaks.items():
-            line = predicted.phase_peaks.get(phase)
-            if line is None or abs(line - value) > LINEARITY_TOLERANCE * max(value, 1):
-                raise LinearityError(
-                    f"the {phase} peak with {CHECK_BLOCKS} blocks is {value} bytes, the line through "
-                    f"{PROBE_BLOCKS} blocks says {line}"
-                )
-        method += f" (linear in the block count: checked with a trace of {CHECK_BLOCKS})"
-    result = extrapolate(probes, PROBE_BLOCKS, num_blocks)
+        try:
+            _check_line(traces, PROBE_BLOCKS, CHECK_BLOCKS)
+        except LinearityError as first:
+            # A 1-block step can peak somewhere else than every longer stack (measured: a LoRA 7B
+            # model's forward peak), a kink the line through 1 and 2 blocks cannot see. Moving the
+            # window up one block keeps the same check: probes 2 and 3, checked with 4.
+            if built_blocks < SHIFTED_CHECK_BLOCKS:
+                raise
+            traces[SHIFTED_CHECK_BLOCKS] = trace(SHIFTED_CHECK_BLOCKS)
+            try:
+                _check_line(traces, SHIFTED_PROBE_BLOCKS, SHIFTED_CHECK_BLOCKS)
+            except LinearityError as second:
+                raise LinearityError(f"{first}; and {second}") from None
+            probe_counts = SHIFTED_PROBE_BLOCKS
+    check_count = CHECK_BLOCKS if probe_counts == PROBE_BLOCKS else SHIFTED_CHECK_BLOCKS
+    method = f"blocks traced: {probe_counts[0]} and {probe_counts[1]}, extrapolated to {num_blocks}"
+    if check:
+        method += f" (linear in the block count: checked with a trace of {check_count}"
+        method += ")" if probe_counts == PROBE_BLOCKS else "; the 1-block trace peaked off that line)"
+    result = extrapolate([traces[k] for k in probe_counts], probe_counts, num_blocks)
     result.method = method
     result.seconds = sum(t.seconds for t in traces.values())
     return result
