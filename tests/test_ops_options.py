@@ -89,10 +89,11 @@ def test_masked_and_ignored_rows_give_zero_and_never_reach_the_head(monkeypatch)
     mask[2] = False
     seen = []
     original = linear_head._LinearHeadFunction.apply
-    monkeypatch.setattr(linear_head._LinearHeadFunction, "apply", lambda *a: seen.append(a[1].shape[0]) or original(*a))
+    # the pass gets all rows and the indices of those that count: only those are gathered into tiles
+    monkeypatch.setattr(linear_head._LinearHeadFunction, "apply", lambda *a: seen.append((a[1].shape[0], a[-1].tolist())) or original(*a))
     logp, ent = linear_logprobs_and_entropy(hidden, weight, targets, mask=mask, chunk_size=(5, 8))
-    assert seen == [24 - 3 - 6]  # only the counted rows are multiplied
     counted = (targets != IGNORE) & mask
+    assert seen == [(24, counted.reshape(-1).nonzero().squeeze(1).tolist())] and len(seen[0][1]) == 24 - 3 - 6
     z = ref_logits(hidden, weight)
     ref_lp = torch.log_softmax(z, -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     ref_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)

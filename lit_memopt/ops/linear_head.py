@@ -85,11 +85,21 @@ class _NoAutocast:
             self._ctx.__exit__(*exc)
 
 
-def _tile_math(spec: _HeadSpec, hidden: Tensor, *others: Optional[Tensor]) -> TileMath:
+def _tile_math(spec: _HeadSpec, rows: int, hidden: Tensor, *others: Optional[Tensor]) -> TileMath:
     stat_dtype = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (hidden, *others)) else torch.float32
     matmul_dtype = hidden.dtype if spec.fast else stat_dtype
     return TileMath(stat_dtype, matmul_dtype, hidden.device, spec.transform, spec.row_tile, spec.vocab_tile,
-                    hidden.shape[0], others[0].shape[0])
+                    rows, others[0].shape[0])
+
+
+def _row_tile(math_: TileMath, name: str, hidden: Tensor, keep: Optional[Tensor], r0: int, r1: int) -> Tensor:
+    """Rows ``r0:r1`` of the pass as a matmul operand: a slice of ``hidden``, or, when only the rows
+    ``keep`` count, those rows gathered into a tile buffer (never a compacted copy of all of them)."""
+    if keep is None:
+        return math_.operand(name, hidden[r0:r1], math_.row_tile)
+    gathered = math_.ws.get(name + "_rows", r1 - r0, hidden.shape[1], math_.row_tile * hidden.shape[1], hidden.dtype)
+    torch.index_select(hidden, 0, keep[r0:r1], out=gathered)
+    return math_.operand(name, gathered, math_.row_tile)
 
 
 def _target_in_tile(targets: Tensor, v0: int, cols: int) -> tuple[Tensor, Tensor]:
@@ -138,17 +148,17 @@ class _RunningSoftmax:
 
 def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                         targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
-                        ref_bias: Optional[Tensor]) -> dict[str, Tensor]:
+                        ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
     """Per-row ``lse`` plus what the requested outputs need: ``target_z``, ``mu`` (= E_p[z]),
-    ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref])."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref]), for the rows ``keep`` (all when ``None``)."""
+    n, vocab = (hidden.shape[0] if keep is None else keep.shape[0]), weight.shape[0]
     rt, vt = spec.row_tile, spec.vocab_tile
     stats: dict[str, Tensor] = {k: hidden.new_zeros(n, dtype=math_.stat_dtype) for k in ("lse", "target_z", "mu", "mean_z", "ref_lse", "mu_d")}
     values = not is_fake(hidden)
     for r0 in tile_starts(0, n, rt, values=values):
         r1 = min(r0 + rt, n)
-        h = math_.operand("h", hidden[r0:r1], rt)
-        ref_h = math_.operand("ref_h", ref_hidden[r0:r1], rt) if ref_weight is not None else None
+        h = _row_tile(math_, "h", hidden, keep, r0, r1)
+        ref_h = _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1) if ref_weight is not None else None
         run = _RunningSoftmax(spec, r1 - r0, math_.stat_dtype, hidden.device)
         for v0 in tile_starts(0, vocab, vt, values=values):
             v1 = min(v0 + vt, vocab)
@@ -232,13 +242,15 @@ class _LinearHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],  # type: ignore[override]
-                targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor], ref_bias: Optional[Tensor]):
+                targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor], ref_bias: Optional[Tensor],
+                keep: Optional[Tensor]):
         ctx.set_materialize_grads(False)
-        math_ = _tile_math(spec, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
+        n = hidden.shape[0] if keep is None else keep.shape[0]
+        math_ = _tile_math(spec, n, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
         stat_bias = None if bias is None else bias.to(math_.stat_dtype)
         stat_ref_bias = None if ref_bias is None else ref_bias.to(math_.stat_dtype)
         with _NoAutocast(hidden.device.type), torch.no_grad():
-            s = _forward_statistics(spec, math_, hidden, weight, stat_bias, targets, ref_hidden, ref_weight, stat_ref_bias)
+            s = _forward_statistics(spec, math_, hidden, weight, stat_bias, targets, ref_hidden, ref_weight, stat_ref_bias, keep)
         outputs = {
             "logprobs": s["target_z"] - s["lse"],
             "entropy": s["lse"] - s["mu"],
@@ -247,7 +259,7 @@ class _LinearHeadFunction(torch.autograd.Function):
             "logsumexp": s["lse"].clone(),
         }
         ctx.spec = spec
-        ctx.save_for_backward(hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, s["lse"], s["mu"], s["mu_d"])
+        ctx.save_for_backward(hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, s["lse"], s["mu"], s["mu_d"], keep)
         return tuple(outputs[name] for name in OUTPUTS if spec.wants(name))
 
     @staticmethod
@@ -266,16 +278,16 @@ class _LinearHeadFunction(torch.autograd.Function):
     @once_differentiable
     def _backward(ctx, *grads: Optional[Tensor]):
         spec: _HeadSpec = ctx.spec
-        hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, lse, mu, mu_d = ctx.saved_tensors
+        hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, lse, mu, mu_d, keep = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[1:4]
-        nothing = (None,) * 8
+        nothing = (None,) * 9
         if not (need_h or need_w or need_b) or all(g is None for g in grads):
             return nothing
-        n, vocab, size = hidden.shape[0], weight.shape[0], weight.shape[1]
+        n, vocab, size = (hidden.shape[0] if keep is None else keep.shape[0]), weight.shape[0], weight.shape[1]
         if n == 0:  # no rows: the tile loops would leave the gradients unwritten
             zeros = lambda t, need: torch.zeros_like(t) if need else None  # noqa: E731
-            return None, zeros(hidden, need_h), zeros(weight, need_w), zeros(bias, need_b), None, None, None, None
-        math_ = _tile_math(spec, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
+            return None, zeros(hidden, need_h), zeros(weight, need_w), zeros(bias, need_b), None, None, None, None, None
+        math_ = _tile_math(spec, n, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
         stat_dtype, device = math_.stat_dtype, hidden.device
         coeffs = _RowGradients.from_upstream(spec, grads, n, vocab, stat_dtype, device)
         stat_bias = None if bias is None else bias.to(stat_dtype)
@@ -283,11 +295,14 @@ class _LinearHeadFunction(torch.autograd.Function):
         rt, vt = spec.row_tile, spec.vocab_tile
         block_rows = rt * _SUPER_BLOCK_ROW_TILES
         # fp32 hidden states: the output itself is the accumulator; otherwise one super-block's
-        # fp32 accumulator is written into the output when the block is done.
+        # fp32 accumulator is written into the output when the block is done. When only the rows
+        # ``keep`` count, the output is first theirs alone, scattered into a zero gradient of all
+        # rows at the very end, once the tile buffers are gone.
         direct_gh = need_h and hidden.dtype == stat_dtype
         grad_h = None
         if need_h:
-            grad_h = torch.zeros(hidden.shape, dtype=stat_dtype, device=device) if direct_gh else torch.empty_like(hidden, memory_format=torch.contiguous_format)
+            shape = hidden.shape if keep is None else (n, size)
+            grad_h = torch.zeros(shape, dtype=stat_dtype, device=device) if direct_gh else torch.empty(shape, dtype=hidden.dtype, device=device)
         # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out=.
         grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
         direct_gw = need_w and weight.dtype == stat_dtype
@@ -319,11 +334,11 @@ class _LinearHeadFunction(torch.autograd.Function):
                             gw_tile.zero_()
                     for r0 in tile_starts(s0, s1, rt, values=values):
                         r1 = min(r0 + rt, s1)
-                        h = math_.operand("h", hidden[r0:r1], rt)
+                        h = _row_tile(math_, "h", hidden, keep, r0, r1)
                         z = math_.logits("z", h, w, stat_bias, v0, v1)
                         ref_z = None
                         if ref_w is not None:
-                            ref_z = math_.logits("ref_z", math_.operand("ref_h", ref_hidden[r0:r1], rt), ref_w, stat_ref_bias, v0, v1)
+                            ref_z = math_.logits("ref_z", _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1), ref_w, stat_ref_bias, v0, v1)
                         grad_raw = _logit_gradient_(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d, coeffs, targets)
                         operand = math_.grad_operand(grad_raw)
                         if need_h:
@@ -341,8 +356,12 @@ class _LinearHeadFunction(torch.autograd.Function):
                         grad_w[v0:v1].copy_(gw_tile) if first_block else grad_w[v0:v1].add_(gw_tile)
                 if need_h and not direct_gh:
                     grad_h[s0:s1].copy_(gh_block)
+        if need_h and keep is not None:
+            # The tile buffers (and every view of them) go before the full-size gradient exists.
+            del math_, gh_block, h, z, ref_z, grad_raw, operand, w, ref_w, gw_tile
+            grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format).index_copy_(0, keep, grad_h)
         grad_b = grad_b_acc.to(bias.dtype) if need_b else None
-        return None, grad_h, grad_w, grad_b, None, None, None, None
+        return None, grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs: tuple[str, ...], *,
@@ -401,16 +420,16 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
         if flat_targets is not None:
             flat_targets = torch.where(valid, flat_targets, 0)
         if not is_fake(valid) and not bool(valid.all()):
-            # Compact the rows that count before any matmul; their hidden gradient is scattered
-            # back by autograd (index_select's backward), the rest get exact zeros.
+            # Only the rows that count reach the matmuls: the pass gathers them tile by tile and
+            # scatters their hidden gradient back (the rest get exact zeros), so neither a compacted
+            # copy of them nor of their gradient ever exists.
             keep = valid.nonzero().squeeze(1)
-            rows = rows.index_select(0, keep)
-            ref_rows = None if ref_rows is None else ref_rows.index_select(0, keep)
             flat_targets = None if flat_targets is None else flat_targets.index_select(0, keep)
     widest = max(size, ref_hidden.shape[-1]) if kl else size
-    row_tile, vocab_tile = tile_sizes(chunk_size, rows.shape[0], widest, vocab, hidden.device, fast=fast)
+    counted = rows.shape[0] if keep is None else keep.shape[0]
+    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=fast)
     spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast)
-    results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias)
+    results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))
     shaped = []
     for name in outputs:
