@@ -387,6 +387,21 @@ def test_fast_tiles_are_wider_only_below_the_cap():
             assert (rows, cols) == _tile_sizes(None, n, h, v, cpu)
 
 
+def test_tiles_shrink_with_the_share_of_rows_that_count():
+    """With 75% of the rows masked the tile budget is a quarter of the unmasked one, even at the cap."""
+    from lit_memopt.ops.linear_head import _tile_sizes
+
+    cpu = torch.device("cpu")
+    for n, h, v in [(8192, 2560, 151936), (2048, 512, 32000), (64 * 6144, 4096, 151936)]:
+        for fast in (False, True):
+            full = _tile_sizes(None, n, h, v, cpu, fast=fast)
+            assert _tile_sizes(None, n, h, v, cpu, fast=fast, total_rows=n) == full
+            rows, cols = _tile_sizes(None, n // 4, h, v, cpu, fast=fast, total_rows=n)
+            assert rows <= n // 4
+            # a quarter of the unmasked logits tile (up to the 128-row alignment), and no wider weight tile
+            assert rows * cols <= full[0] * full[1] / 4 * 1.2 and cols <= full[1]
+
+
 def test_fused_peak_memory_is_a_fraction_of_naive():
     from lit_memopt.memory.fake import peak_during
 

@@ -172,8 +172,13 @@ def tile_starts(start: int, stop: int, step: int, *, values: bool = True) -> Seq
 
 
 def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, device: torch.device,
-               *, fast: bool = False) -> tuple[int, int]:
+               *, fast: bool = False, total_rows: Optional[int] = None) -> tuple[int, int]:
     """Pick ``(row_tile, vocab_tile)``: explicit when given, else from the shapes and free memory.
+
+    ``rows`` are the rows that reach the matmuls; ``total_rows`` (default: ``rows``) all rows of the
+    call, masked ones included. The budget is the one for ``total_rows`` scaled by the share of rows
+    that count, so that masking 75% of the rows shrinks the tiles 4x even where the unmasked budget
+    is capped: memory falls in proportion to the work.
 
     With ``fast`` (low-precision tile matmuls) vocabulary tiles may be twice as wide, up to the
     same cap: each tile's hidden-gradient product is rounded to bf16/fp16 before it is added in
@@ -198,8 +203,12 @@ def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, d
 
     # Budget: about the size of `hidden` itself, clamped to a fixed window so that huge batches
     # still tile finely and tiny ones run in a single tile.
-    budget = min(max(rows * hidden_size, MIN_TILE_ELEMENTS), MAX_TILE_ELEMENTS)
+    total = rows if total_rows is None else max(total_rows, rows)
+    budget = min(max(total * hidden_size, MIN_TILE_ELEMENTS), MAX_TILE_ELEMENTS)
     vocab_budget = min(2 * budget, MAX_TILE_ELEMENTS) if fast else budget
+    if total > rows:
+        share = rows / total
+        budget, vocab_budget = (max(int(b * share), MIN_TILE_ELEMENTS) for b in (budget, vocab_budget))
     if device.type == "cuda" and torch.cuda.is_available():
         try:
             free_bytes, _ = torch.cuda.mem_get_info(device)

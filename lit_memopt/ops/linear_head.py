@@ -427,7 +427,7 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
             flat_targets = None if flat_targets is None else flat_targets.index_select(0, keep)
     widest = max(size, ref_hidden.shape[-1]) if kl else size
     counted = rows.shape[0] if keep is None else keep.shape[0]
-    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=fast)
+    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=fast, total_rows=rows.shape[0])
     spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast)
     results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))
