@@ -82,6 +82,33 @@ def test_a_child_past_its_timeout_is_killed() -> None:
         os.kill(call._pid, 0)
 
 
+@needs_fork
+def test_a_cancelled_child_is_killed_and_reaped() -> None:
+    call = ForkedCall(lambda: time.sleep(60))
+    call.cancel()
+    with pytest.raises(ProcessLookupError):
+        os.kill(call._pid, 0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_failing_trace_here_cancels_the_forked_one(monkeypatch) -> None:  # noqa: ANN001
+    cancelled = []
+
+    class Recording:
+        def __init__(self, fn) -> None:  # noqa: ANN001
+            pass
+
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    monkeypatch.setattr(blocks, "ForkedCall", Recording)
+    monkeypatch.setattr(blocks, "can_fork", lambda: True)
+    monkeypatch.setattr(blocks, "estimate_peak", lambda *a, **k: (_ for _ in ()).throw(ValueError("trace failed")))
+    with pytest.raises(ValueError, match="trace failed"):
+        estimate_with_blocks(_fake_sft(3), _batch(), 9, parallel=True)
+    assert cancelled == [True]
+
+
 def test_no_fork_while_another_thread_runs() -> None:
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)

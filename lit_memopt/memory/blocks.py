@@ -188,7 +188,12 @@ def estimate_with_blocks(
     largest = counts[-1]
     child = ForkedCall(lambda: trace(largest)) if parallel and can_fork() else None
     started = time.perf_counter()
-    traces = {k: trace(k) for k in counts[:-1]}
+    try:
+        traces = {k: trace(k) for k in counts[:-1]}
+    except BaseException:
+        if child is not None:  # this process's trace failed: the copy's result would be thrown away
+            child.cancel()
+        raise
     try:
         if child is None:
             raise ForkedCallFailed("not forked")

@@ -106,6 +106,14 @@ class ForkedCall:
             raise value
         raise ForkedCallFailed(f"the forked child failed:\n{value}")
 
+    def cancel(self) -> None:
+        """Kill the child and reap it (its result is not wanted: the caller failed first)."""
+        try:
+            os.close(self._read_fd)
+        except OSError:
+            pass
+        self._reap(kill=True)
+
     def _reap(self, kill: bool) -> None:
         if kill:
             try:
