@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 __all__ = ["ForkedCall", "ForkedCallFailed", "can_fork"]
@@ -57,6 +58,8 @@ class ForkedCall:
                 import torch
 
                 torch.set_num_threads(1)  # the parent keeps the other core
+                # The parent runs the same code and shows the same warnings: do not print them twice.
+                warnings.simplefilter("ignore")
                 try:
                     payload = pickle.dumps(("value", fn()))
                 except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
