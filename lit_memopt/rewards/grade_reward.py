@@ -177,7 +177,8 @@ def build_rule_reward_model(
     accuracy = model.fit_rule(seq_len=seq_len, steps=train_steps, seed=seed)
     rank_zero_info(
         f"GRADE rule reward: classifier of 'fraction of {target_text!r} tokens >= {threshold}' "
-        f"trained at start, accuracy {accuracy:.3f} on fresh samples; frozen."
+        + (f"trained at start, accuracy {accuracy:.3f} on fresh samples; frozen." if train_steps
+           else "untrained (train_steps=0, as in a memory estimate); frozen.")
     )
     return model
 
