@@ -9,7 +9,6 @@ Run ``python benchmarks/crsp.py [--quick]`` or call :func:`run`.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -22,7 +21,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/crsp.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import write_results  # noqa: E402
+from benchmarks._results import quick_command, write_results  # noqa: E402
 from lit_memopt.memory.fake import fake_mode, peak_during  # noqa: E402
 from lit_memopt.ops import linear_logprobs, tr_rpg_loss  # noqa: E402
 
@@ -248,12 +247,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2k-token responses and a smaller CPU shape")
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick)
-    print(to_markdown(result))
-    return 0 if result["memory_fake"]["target_met"] else 1
+    return quick_command(argv, __doc__, run, to_markdown, "2k-token responses and a smaller CPU shape", lambda result: result["memory_fake"]["target_met"])
 
 
 if __name__ == "__main__":

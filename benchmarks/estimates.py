@@ -6,14 +6,13 @@ SFT with vs without activation checkpointing. Run alone with ``python -m benchma
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from typing import Any
 
 import torch
 
-from benchmarks._results import write_results  # noqa: E402
+from benchmarks._results import quick_command, write_results  # noqa: E402
 # On a GPU the measured peak should sit within this share of the prediction.
 MEASURED_TOLERANCE = 0.10
 
@@ -167,12 +166,7 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="SFT at Qwen3-4B only (with and without activation checkpointing)")
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick)
-    print(to_markdown(result))
-    return 0
+    return quick_command(argv, __doc__, run, to_markdown, "SFT at Qwen3-4B only (with and without activation checkpointing)")
 
 
 if __name__ == "__main__":

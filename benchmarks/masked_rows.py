@@ -10,7 +10,6 @@ Rows are masked as in RL: in each sequence, the first 75% (the prompt) carry no 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -24,7 +23,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/masked_rows.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import write_results  # noqa: E402
+from benchmarks._results import quick_command, write_results  # noqa: E402
 from lit_memopt.memory import memory_budget  # noqa: E402
 from lit_memopt.ops import linear_logprobs  # noqa: E402
 
@@ -125,12 +124,7 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small shape and fewer repetitions")
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick)
-    print(to_markdown(result))
-    return 0
+    return quick_command(argv, __doc__, run, to_markdown, "a small shape and fewer repetitions")
 
 
 if __name__ == "__main__":

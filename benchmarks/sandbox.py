@@ -10,7 +10,6 @@ Run ``python benchmarks/sandbox.py [--quick]`` or call :func:`run`.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -23,7 +22,7 @@ if __package__ in (None, ""):  # `python benchmarks/sandbox.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _sandbox_legacy as legacy  # noqa: E402
-from benchmarks._results import write_results  # noqa: E402
+from benchmarks._results import quick_command, write_results  # noqa: E402
 from lit_memopt.rewards import sandbox as current  # noqa: E402
 from lit_memopt.rewards.sandbox.probe import summary_line  # noqa: E402
 
@@ -167,12 +166,7 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer, shorter blocks")
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick)
-    print(to_markdown(result))
-    return 0 if result["target_met"] else 1
+    return quick_command(argv, __doc__, run, to_markdown, "fewer, shorter blocks", lambda result: result["target_met"])
 
 
 if __name__ == "__main__":
