@@ -161,9 +161,9 @@ def estimate_with_blocks(
 
     ``module`` was built with ``built_blocks`` blocks per decoder (3; 2 is enough when ``check=False``;
     with 4, a 3-block trace off the line through 1 and 2 gets a second chance: probes 2 and 3, checked with 4).
-    ``parallel=True`` runs the check trace in a forked copy of the process while this one runs the
-    probes (``memory.forked``; where forking is unsafe, or the child fails, it runs here after them):
-    the estimate then takes about as long as the probes. Keyword arguments go to :func:`estimate_peak`.
+    ``parallel=True`` runs the largest trace (the check, or the second probe when ``check=False``) in a
+    forked copy of the process while this one runs the others (``memory.forked``; where forking is
+    unsafe, or the copy fails, it runs here after them). Keyword arguments go to :func:`estimate_peak`.
 
     Raises:
         LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
@@ -194,14 +194,15 @@ def estimate_with_blocks(
         if child is not None:  # this process's trace failed: the copy's result would be thrown away
             child.cancel()
         raise
-    try:
-        if child is None:
-            raise ForkedCallFailed("not forked")
-        # It has one block more than the largest trace here: the margin absorbs a busy machine.
-        traces[largest] = child.result(timeout=60 + 3 * (time.perf_counter() - started))
-    except ForkedCallFailed:
+    if child is not None:
+        try:
+            # It has one block more than the largest trace here: the margin absorbs a busy machine.
+            traces[largest] = child.result(timeout=60 + 3 * (time.perf_counter() - started))
+        except ForkedCallFailed:
+            pass
+    if largest not in traces:
         traces[largest] = trace(largest)
-    probe_counts = PROBE_BLOCKS
+    probes, checked_at, kink = PROBE_BLOCKS, CHECK_BLOCKS, ""
     if check:
         try:
             _check_line(traces, PROBE_BLOCKS, CHECK_BLOCKS)
@@ -216,13 +217,11 @@ def estimate_with_blocks(
                 _check_line(traces, SHIFTED_PROBE_BLOCKS, SHIFTED_CHECK_BLOCKS)
             except LinearityError as second:
                 raise LinearityError(f"{first}; and {second}") from None
-            probe_counts = SHIFTED_PROBE_BLOCKS
-    check_count = CHECK_BLOCKS if probe_counts == PROBE_BLOCKS else SHIFTED_CHECK_BLOCKS
-    method = f"blocks traced: {probe_counts[0]} and {probe_counts[1]}, extrapolated to {num_blocks}"
+            probes, checked_at, kink = SHIFTED_PROBE_BLOCKS, SHIFTED_CHECK_BLOCKS, "; the 1-block trace peaked off that line"
+    method = f"blocks traced: {probes[0]} and {probes[1]}, extrapolated to {num_blocks}"
     if check:
-        method += f" (linear in the block count: checked with a trace of {check_count}"
-        method += ")" if probe_counts == PROBE_BLOCKS else "; the 1-block trace peaked off that line)"
-    result = extrapolate([traces[k] for k in probe_counts], probe_counts, num_blocks)
+        method += f" (linear in the block count: checked with a trace of {checked_at}{kink})"
+    result = extrapolate([traces[k] for k in probes], probes, num_blocks)
     result.method = method
     result.seconds = sum(t.seconds for t in traces.values())
     return result

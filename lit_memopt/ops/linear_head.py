@@ -92,6 +92,11 @@ def _tile_math(spec: _HeadSpec, rows: int, hidden: Tensor, *others: Optional[Ten
                     rows, others[0].shape[0])
 
 
+def _pass_rows(hidden: Tensor, keep: Optional[Tensor]) -> int:
+    """How many rows the pass computes: all of ``hidden``'s, or only the ``keep`` ones."""
+    return hidden.shape[0] if keep is None else keep.shape[0]
+
+
 def _row_tile(math_: TileMath, name: str, hidden: Tensor, keep: Optional[Tensor], r0: int, r1: int) -> Tensor:
     """Rows ``r0:r1`` of the pass as a matmul operand: a slice of ``hidden``, or, when only the rows
     ``keep`` count, those rows gathered into a tile buffer (never a compacted copy of all of them)."""
@@ -151,7 +156,7 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
                         ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
     """Per-row ``lse`` plus what the requested outputs need: ``target_z``, ``mu`` (= E_p[z]),
     ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref]), for the rows ``keep`` (all when ``None``)."""
-    n, vocab = (hidden.shape[0] if keep is None else keep.shape[0]), weight.shape[0]
+    n, vocab = _pass_rows(hidden, keep), weight.shape[0]
     rt, vt = spec.row_tile, spec.vocab_tile
     stats: dict[str, Tensor] = {k: hidden.new_zeros(n, dtype=math_.stat_dtype) for k in ("lse", "target_z", "mu", "mean_z", "ref_lse", "mu_d")}
     values = not is_fake(hidden)
@@ -245,8 +250,7 @@ class _LinearHeadFunction(torch.autograd.Function):
                 targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor], ref_bias: Optional[Tensor],
                 keep: Optional[Tensor]):
         ctx.set_materialize_grads(False)
-        n = hidden.shape[0] if keep is None else keep.shape[0]
-        math_ = _tile_math(spec, n, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
+        math_ = _tile_math(spec, _pass_rows(hidden, keep), hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
         stat_bias = None if bias is None else bias.to(math_.stat_dtype)
         stat_ref_bias = None if ref_bias is None else ref_bias.to(math_.stat_dtype)
         with _NoAutocast(hidden.device.type), torch.no_grad():
@@ -283,7 +287,7 @@ class _LinearHeadFunction(torch.autograd.Function):
         nothing = (None,) * 9
         if not (need_h or need_w or need_b) or all(g is None for g in grads):
             return nothing
-        n, vocab, size = (hidden.shape[0] if keep is None else keep.shape[0]), weight.shape[0], weight.shape[1]
+        n, vocab, size = _pass_rows(hidden, keep), weight.shape[0], weight.shape[1]
         if n == 0:  # no rows: the tile loops would leave the gradients unwritten
             zeros = lambda t, need: torch.zeros_like(t) if need else None  # noqa: E731
             return None, zeros(hidden, need_h), zeros(weight, need_w), zeros(bias, need_b), None, None, None, None, None
