@@ -96,3 +96,27 @@ def test_bad_settings_are_named(setup, tmp_path):
         WarmStart.from_any(5)
     with pytest.raises(ValueError, match="warm_start_examples"):
         warm_start_policy(cfg.build_model(), tok, None, WarmStart(steps=2), tmp_path)
+
+
+def test_the_fit_may_use_more_threads_and_gives_them_back():
+    from lit_memopt.modules.warm_start import cpu_threads_at_least, local_cpu_share
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with cpu_threads_at_least(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        with cpu_threads_at_least(1):  # never lowered: a user who asked for more keeps them
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), cpu_threads_at_least(None):
+            raise RuntimeError("restored on error too")
+        torch.set_num_threads(1)
+        with pytest.raises(RuntimeError), cpu_threads_at_least(2):
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    cores = local_cpu_share(1)
+    assert cores >= 1 and local_cpu_share(2) == max(1, cores // 2) and local_cpu_share(10**6) == 1

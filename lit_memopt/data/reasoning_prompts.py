@@ -22,8 +22,11 @@ _NUMBER = re.compile(r"-?\d+")
 _WORD = re.compile(r"[a-z]+")
 
 
-def make_problem(rng: random.Random, task: str, max_operand: int = 20, max_word_length: int = 5) -> tuple[str, str]:
-    """One ``(question, answer)`` pair, e.g. ``("12+7", "19")`` or ``("reverse abc", "cba")``."""
+def make_problem(
+    rng: random.Random, task: str, max_operand: int = 20, max_word_length: int = 5, min_word_length: int = 2
+) -> tuple[str, str]:
+    """One ``(question, answer)`` pair, e.g. ``("12+7", "19")`` or ``("reverse abc", "cba")``; words have
+    ``min_word_length`` to ``max_word_length`` letters."""
     if task in ("add", "sub", "mul", "max"):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         if task == "add":
@@ -36,7 +39,7 @@ def make_problem(rng: random.Random, task: str, max_operand: int = 20, max_word_
             return f"{a}*{b}", str(a * b)
         return f"max({a},{b})", str(max(a, b))
     if task in ("copy", "reverse"):
-        word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, max_word_length)))
+        word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(min_word_length, max_word_length)))
         return f"{task} {word}", word if task == "copy" else word[::-1]
     raise ValueError(f"unknown task {task!r}; use one of {list(TASKS)}.")
 
@@ -119,6 +122,8 @@ class ReasoningPromptsDataModule(LightningDataModule):
         batch_size: prompts per loader batch (each becomes ``num_samples`` rollouts in the module).
         max_operand: largest operand of the arithmetic tasks.
         max_word_length: longest word of the string tasks.
+        min_word_length: shortest word of the string tasks (equal to ``max_word_length``: every answer
+            has the same length, so a response cannot be rewarded for its length).
         seed: generator seed; the same seed gives the same prompts.
         num_workers: DataLoader worker processes.
 
@@ -144,6 +149,7 @@ class ReasoningPromptsDataModule(LightningDataModule):
         batch_size: int = 8,
         max_operand: int = 20,
         max_word_length: int = 5,
+        min_word_length: int = 2,
         seed: int = 1234,
         num_workers: int = 0,
     ) -> None:
@@ -161,14 +167,18 @@ class ReasoningPromptsDataModule(LightningDataModule):
         ):
             if int(value) <= 0:
                 raise ValueError(f"data.{name} must be a positive integer, got {value!r}.")
-        if int(max_word_length) < 2:
-            raise ValueError(f"data.max_word_length must be >= 2, got {max_word_length!r}.")
+        if not 1 <= int(min_word_length) <= int(max_word_length):
+            raise ValueError(
+                f"data.min_word_length must be between 1 and data.max_word_length ({max_word_length!r}), "
+                f"got {min_word_length!r}."
+            )
         if int(num_workers) < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers!r}.")
         self.tokenizer = tokenizer
         self.task, self.prompt_style = task, prompt_style
         self.num_train, self.num_val, self.batch_size = int(num_train), int(num_val), int(batch_size)
         self.max_operand, self.max_word_length = int(max_operand), int(max_word_length)
+        self.min_word_length = int(min_word_length)
         self.seed, self.num_workers = int(seed), int(num_workers)
         self.train_set: _PromptDataset | None = None
         self.val_set: _PromptDataset | None = None
@@ -177,7 +187,7 @@ class ReasoningPromptsDataModule(LightningDataModule):
         tasks = TASK_GROUPS.get(self.task, (self.task,))
         prompts, answers = [], []
         for _ in range(count):
-            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length)
+            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length, self.min_word_length)
             prompts.append(format_prompt(question, self.prompt_style))
             answers.append(answer)
         token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -202,7 +212,7 @@ class ReasoningPromptsDataModule(LightningDataModule):
         tasks = TASK_GROUPS.get(self.task, (self.task,))
         pairs: list[tuple[str, str]] = []
         while len(pairs) < count:
-            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length)
+            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length, self.min_word_length)
             prompt = format_prompt(question, self.prompt_style)
             if prompt not in held_out:
                 pairs.append((prompt, answer if self.prompt_style == "compact" else f"Answer: {answer}"))
