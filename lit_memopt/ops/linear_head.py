@@ -236,6 +236,89 @@ def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optiona
     return spec.transform.chain_(p, slope_src, math_.stat_buffer("slope", n_rows, cols))
 
 
+def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
+                    ref_bias: Optional[Tensor], lse: Tensor, mu: Tensor, mu_d: Tensor, keep: Optional[Tensor],
+                    need_h: bool, need_w: bool, need_b: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The tiled backward: ``(grad_hidden, grad_weight, grad_bias)``, the hidden gradient of the counted rows only.
+
+    Its own function so that every tile buffer (the workspace and each view of it) is released when it
+    returns, before the caller makes the full-size hidden gradient of a masked call.
+    """
+    n, vocab, size = _pass_rows(hidden, keep), weight.shape[0], weight.shape[1]
+    math_ = _tile_math(spec, n, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
+    stat_dtype, device = math_.stat_dtype, hidden.device
+    coeffs = _RowGradients.from_upstream(spec, grads, n, vocab, stat_dtype, device)
+    stat_bias = None if bias is None else bias.to(stat_dtype)
+    stat_ref_bias = None if ref_bias is None else ref_bias.to(stat_dtype)
+    rt, vt = spec.row_tile, spec.vocab_tile
+    block_rows = rt * _SUPER_BLOCK_ROW_TILES
+    # fp32 hidden states: the output itself is the accumulator; otherwise one super-block's
+    # fp32 accumulator is written into the output when the block is done. When only the rows
+    # ``keep`` count, the output is first theirs alone, scattered into a zero gradient of all
+    # rows at the very end, once the tile buffers are gone.
+    direct_gh = need_h and hidden.dtype == stat_dtype
+    grad_h = None
+    if need_h:
+        shape = hidden.shape if keep is None else (n, size)
+        grad_h = torch.zeros(shape, dtype=stat_dtype, device=device) if direct_gh else torch.empty(shape, dtype=hidden.dtype, device=device)
+    # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out=.
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
+    direct_gw = need_w and weight.dtype == stat_dtype
+    grad_b_acc = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_b else None
+
+    with _NoAutocast(device.type), torch.no_grad():
+        values = not is_fake(hidden)
+        for s0 in tile_starts(0, n, block_rows, values=values):
+            s1 = min(s0 + block_rows, n)
+            first_block, one_row_tile = s0 == 0, s1 - s0 <= rt
+            gh_block = None
+            if need_h:
+                gh_block = grad_h[s0:s1] if direct_gh else math_.ws.get("gh", s1 - s0, size, min(block_rows, n) * size, stat_dtype).zero_()
+            for v0 in tile_starts(0, vocab, vt, values=values):
+                v1 = min(v0 + vt, vocab)
+                w = math_.operand("w", weight[v0:v1], vt)
+                ref_w = math_.operand("ref_w", ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
+                gw_tile, overwrite_gw = None, False
+                # One row-tile product per vocabulary tile, already in the weight's dtype: it
+                # goes straight into the gradient (the fp32 tile would only round-trip it).
+                straight_gw = (need_w and not direct_gw and first_block and one_row_tile
+                               and weight.dtype == math_.matmul_dtype and not math_.fp32_out)
+                if need_w and not straight_gw:
+                    # fp32 weights accumulate straight into the gradient across all blocks; a
+                    # low-precision weight gets each block's fp32 tile sum added once (below).
+                    gw_tile = grad_w[v0:v1] if direct_gw else math_.ws.get("gw", v1 - v0, size, vt * size, stat_dtype)
+                    overwrite_gw = first_block or not direct_gw
+                    if overwrite_gw and not one_row_tile:
+                        gw_tile.zero_()
+                for r0 in tile_starts(s0, s1, rt, values=values):
+                    r1 = min(r0 + rt, s1)
+                    h = _row_tile(math_, "h", hidden, keep, r0, r1)
+                    z = math_.logits("z", h, w, stat_bias, v0, v1)
+                    ref_z = None
+                    if ref_w is not None:
+                        ref_z = math_.logits("ref_z", _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1), ref_w, stat_ref_bias, v0, v1)
+                    grad_raw = _logit_gradient_(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d, coeffs, targets)
+                    operand = math_.grad_operand(grad_raw)
+                    if need_h:
+                        math_.accumulate("gh_p", gh_block[r0 - s0 : r1 - s0], operand, w, overwrite=False)
+                    if straight_gw:
+                        torch.mm(operand.t(), h, out=grad_w[v0:v1])
+                    elif need_w:
+                        math_.accumulate("gw_p", gw_tile, operand.t(), h, overwrite=overwrite_gw and one_row_tile)
+                    if need_b:
+                        grad_b_acc[v0:v1] += grad_raw.sum(0)
+                if need_w and not direct_gw and not straight_gw:
+                    # Each block's fp32 tile sum is rounded once into the bf16/fp16 gradient, as
+                    # gradient accumulation over micro-batches would; an fp32 copy of the whole
+                    # weight gradient is deliberately never made.
+                    grad_w[v0:v1].copy_(gw_tile) if first_block else grad_w[v0:v1].add_(gw_tile)
+            if need_h and not direct_gh:
+                grad_h[s0:s1].copy_(gh_block)
+    grad_b = grad_b_acc.to(bias.dtype) if need_b else None
+    return grad_h, grad_w, grad_b
+
+
 class _LinearHeadFunction(torch.autograd.Function):
     """Per-row statistics of ``softmax(transform(hidden @ weight.T + bias))`` without materializing the logits.
 
@@ -287,84 +370,16 @@ class _LinearHeadFunction(torch.autograd.Function):
         nothing = (None,) * 9
         if not (need_h or need_w or need_b) or all(g is None for g in grads):
             return nothing
-        n, vocab, size = _pass_rows(hidden, keep), weight.shape[0], weight.shape[1]
-        if n == 0:  # no rows: the tile loops would leave the gradients unwritten
+        if _pass_rows(hidden, keep) == 0:  # no rows: the tile loops would leave the gradients unwritten
             zeros = lambda t, need: torch.zeros_like(t) if need else None  # noqa: E731
             return None, zeros(hidden, need_h), zeros(weight, need_w), zeros(bias, need_b), None, None, None, None, None
-        math_ = _tile_math(spec, n, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
-        stat_dtype, device = math_.stat_dtype, hidden.device
-        coeffs = _RowGradients.from_upstream(spec, grads, n, vocab, stat_dtype, device)
-        stat_bias = None if bias is None else bias.to(stat_dtype)
-        stat_ref_bias = None if ref_bias is None else ref_bias.to(stat_dtype)
-        rt, vt = spec.row_tile, spec.vocab_tile
-        block_rows = rt * _SUPER_BLOCK_ROW_TILES
-        # fp32 hidden states: the output itself is the accumulator; otherwise one super-block's
-        # fp32 accumulator is written into the output when the block is done. When only the rows
-        # ``keep`` count, the output is first theirs alone, scattered into a zero gradient of all
-        # rows at the very end, once the tile buffers are gone.
-        direct_gh = need_h and hidden.dtype == stat_dtype
-        grad_h = None
-        if need_h:
-            shape = hidden.shape if keep is None else (n, size)
-            grad_h = torch.zeros(shape, dtype=stat_dtype, device=device) if direct_gh else torch.empty(shape, dtype=hidden.dtype, device=device)
-        # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out=.
-        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
-        direct_gw = need_w and weight.dtype == stat_dtype
-        grad_b_acc = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_b else None
-
-        with _NoAutocast(device.type), torch.no_grad():
-            values = not is_fake(hidden)
-            for s0 in tile_starts(0, n, block_rows, values=values):
-                s1 = min(s0 + block_rows, n)
-                first_block, one_row_tile = s0 == 0, s1 - s0 <= rt
-                gh_block = None
-                if need_h:
-                    gh_block = grad_h[s0:s1] if direct_gh else math_.ws.get("gh", s1 - s0, size, min(block_rows, n) * size, stat_dtype).zero_()
-                for v0 in tile_starts(0, vocab, vt, values=values):
-                    v1 = min(v0 + vt, vocab)
-                    w = math_.operand("w", weight[v0:v1], vt)
-                    ref_w = math_.operand("ref_w", ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
-                    gw_tile, overwrite_gw = None, False
-                    # One row-tile product per vocabulary tile, already in the weight's dtype: it
-                    # goes straight into the gradient (the fp32 tile would only round-trip it).
-                    straight_gw = (need_w and not direct_gw and first_block and one_row_tile
-                                   and weight.dtype == math_.matmul_dtype and not math_.fp32_out)
-                    if need_w and not straight_gw:
-                        # fp32 weights accumulate straight into the gradient across all blocks; a
-                        # low-precision weight gets each block's fp32 tile sum added once (below).
-                        gw_tile = grad_w[v0:v1] if direct_gw else math_.ws.get("gw", v1 - v0, size, vt * size, stat_dtype)
-                        overwrite_gw = first_block or not direct_gw
-                        if overwrite_gw and not one_row_tile:
-                            gw_tile.zero_()
-                    for r0 in tile_starts(s0, s1, rt, values=values):
-                        r1 = min(r0 + rt, s1)
-                        h = _row_tile(math_, "h", hidden, keep, r0, r1)
-                        z = math_.logits("z", h, w, stat_bias, v0, v1)
-                        ref_z = None
-                        if ref_w is not None:
-                            ref_z = math_.logits("ref_z", _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1), ref_w, stat_ref_bias, v0, v1)
-                        grad_raw = _logit_gradient_(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d, coeffs, targets)
-                        operand = math_.grad_operand(grad_raw)
-                        if need_h:
-                            math_.accumulate("gh_p", gh_block[r0 - s0 : r1 - s0], operand, w, overwrite=False)
-                        if straight_gw:
-                            torch.mm(operand.t(), h, out=grad_w[v0:v1])
-                        elif need_w:
-                            math_.accumulate("gw_p", gw_tile, operand.t(), h, overwrite=overwrite_gw and one_row_tile)
-                        if need_b:
-                            grad_b_acc[v0:v1] += grad_raw.sum(0)
-                    if need_w and not direct_gw and not straight_gw:
-                        # Each block's fp32 tile sum is rounded once into the bf16/fp16 gradient, as
-                        # gradient accumulation over micro-batches would; an fp32 copy of the whole
-                        # weight gradient is deliberately never made.
-                        grad_w[v0:v1].copy_(gw_tile) if first_block else grad_w[v0:v1].add_(gw_tile)
-                if need_h and not direct_gh:
-                    grad_h[s0:s1].copy_(gh_block)
+        grad_h, grad_w, grad_b = _backward_tiles(
+            spec, grads, hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, lse, mu, mu_d, keep,
+            need_h, need_w, need_b)
         if need_h and keep is not None:
-            # The tile buffers (and every view of them) go before the full-size gradient exists.
-            del math_, gh_block, h, z, ref_z, grad_raw, operand, w, ref_w, gw_tile
+            # Only now, with the tile buffers gone (they died with _backward_tiles' frame), the full-size
+            # gradient of all rows is made and the counted rows' gradient scattered into it.
             grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format).index_copy_(0, keep, grad_h)
-        grad_b = grad_b_acc.to(bias.dtype) if need_b else None
         return None, grad_h, grad_w, grad_b, None, None, None, None, None
 
 
