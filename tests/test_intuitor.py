@@ -165,6 +165,13 @@ def test_reasoning_prompts_and_checker():
     assert text in batch["prompts"] and text.endswith("=")
     with pytest.raises(ValueError, match="data.task"):
         ReasoningPromptsDataModule(tokenizer, task="poetry")
+    fixed = ReasoningPromptsDataModule(tokenizer, task="strings", num_train=64, num_val=16, min_word_length=4,
+                                       max_word_length=4)
+    fixed.setup()
+    assert {len(a) for a in fixed.train_set.answers + fixed.val_set.answers} == {4}
+    assert {len(a) for _, a in fixed.warm_start_examples(32, seed=1)} == {4}
+    with pytest.raises(ValueError, match="min_word_length"):
+        ReasoningPromptsDataModule(tokenizer, task="strings", min_word_length=6, max_word_length=5)
 
 
 def test_works_under_oom_recovery_micro_batches(tmp_path):

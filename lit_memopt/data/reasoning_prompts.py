@@ -183,11 +183,14 @@ class ReasoningPromptsDataModule(LightningDataModule):
         self.train_set: _PromptDataset | None = None
         self.val_set: _PromptDataset | None = None
 
+    def _problem(self, rng: random.Random, tasks: tuple[str, ...]) -> tuple[str, str]:
+        return make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length, self.min_word_length)
+
     def _make(self, rng: random.Random, count: int) -> _PromptDataset:
         tasks = TASK_GROUPS.get(self.task, (self.task,))
         prompts, answers = [], []
         for _ in range(count):
-            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length, self.min_word_length)
+            question, answer = self._problem(rng, tasks)
             prompts.append(format_prompt(question, self.prompt_style))
             answers.append(answer)
         token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -212,7 +215,7 @@ class ReasoningPromptsDataModule(LightningDataModule):
         tasks = TASK_GROUPS.get(self.task, (self.task,))
         pairs: list[tuple[str, str]] = []
         while len(pairs) < count:
-            question, answer = make_problem(rng, rng.choice(tasks), self.max_operand, self.max_word_length, self.min_word_length)
+            question, answer = self._problem(rng, tasks)
             prompt = format_prompt(question, self.prompt_style)
             if prompt not in held_out:
                 pairs.append((prompt, answer if self.prompt_style == "compact" else f"Answer: {answer}"))
