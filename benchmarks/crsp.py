@@ -247,7 +247,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return quick_command(argv, __doc__, run, to_markdown, "2k-token responses and a smaller CPU shape", lambda result: result["memory_fake"]["target_met"])
+    return quick_command(argv, __doc__, run, to_markdown, "2k-token responses and a smaller CPU shape",
+                         passed=lambda result: result["memory_fake"]["target_met"])
 
 
 if __name__ == "__main__":

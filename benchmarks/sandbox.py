@@ -166,7 +166,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return quick_command(argv, __doc__, run, to_markdown, "fewer, shorter blocks", lambda result: result["target_met"])
+    return quick_command(argv, __doc__, run, to_markdown, "fewer, shorter blocks",
+                         passed=lambda result: result["target_met"])
 
 
 if __name__ == "__main__":

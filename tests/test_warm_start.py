@@ -118,5 +118,8 @@ def test_the_fit_may_use_more_threads_and_gives_them_back():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+    from lit_memopt.memory.forked import usable_cpu_cores
+
     cores = local_cpu_share(1)
+    assert cores == usable_cpu_cores()
     assert cores >= 1 and local_cpu_share(2) == max(1, cores // 2) and local_cpu_share(10**6) == 1

@@ -23,22 +23,26 @@ import traceback
 import warnings
 from typing import Any, Callable
 
-__all__ = ["ForkedCall", "ForkedCallFailed", "can_fork"]
+__all__ = ["ForkedCall", "ForkedCallFailed", "can_fork", "usable_cpu_cores"]
 
 
 class ForkedCallFailed(RuntimeError):
     """The forked child produced no result (it crashed, hung, or its result could not be sent back)."""
 
 
+def usable_cpu_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS tells it, else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def can_fork() -> bool:
     """Whether ``ForkedCall`` may fork here: Linux, two or more usable cores, and a single Python thread."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return cores >= 2 and threading.active_count() == 1
+    return usable_cpu_cores() >= 2 and threading.active_count() == 1
 
 
 class ForkedCall:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -23,6 +22,7 @@ from typing import Any, Callable, Mapping
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_memopt.memory.forked import usable_cpu_cores
 from lit_memopt.models.tokens import left_pad
 from lit_memopt.modules.sft import next_token_nll
 
@@ -93,8 +93,7 @@ def _encode(tokenizer: Any, pairs: list[tuple[str, str]], device: torch.device) 
 
 def local_cpu_share(processes_per_machine: int) -> int:
     """The CPU cores this process may use when ``processes_per_machine`` processes share the machine (>= 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, int(processes_per_machine)))
+    return max(1, usable_cpu_cores() // max(1, int(processes_per_machine)))
 
 
 @contextlib.contextmanager
