@@ -7,7 +7,18 @@ import pytest
 from lit_memopt.data.code_grammar import TEMPLATES, held_out_tasks, is_held_out, sample_task, sample_tasks
 from lit_memopt.data.code_tasks import CodeTaskDataModule
 from lit_memopt.modules.crsp import warm_start_pairs
-from lit_memopt.modules.crsp_protocol import parse_answer, parse_judgement, parse_program, parse_proposal
+from lit_memopt.modules.crsp_protocol import (
+    _HEADERS,
+    PROMPT_STYLES,
+    _critique_prompt,
+    _program_text,
+    _solve_prompt,
+    _Task,
+    parse_answer,
+    parse_judgement,
+    parse_program,
+    parse_proposal,
+)
 
 
 def _run_own_program(program: str, argument: str) -> str:
@@ -59,33 +70,42 @@ def test_grammar_datamodule_batches_and_errors():
         CodeTaskDataModule(family="grammar", num_val=0)
 
 
-def test_warm_start_pairs_speak_the_protocol_the_rewards_parse():
+@pytest.mark.parametrize("style", PROMPT_STYLES)
+def test_warm_start_pairs_speak_the_protocol_the_rewards_parse(style):
     tasks = sample_tasks(400, seed=7)
-    pairs = warm_start_pairs(tasks, random.Random(0), function_task_ratio=0.5)
+    pairs = warm_start_pairs(tasks, random.Random(0), function_task_ratio=0.5, style=style)
     assert len(pairs) == 200
-    kinds = {"propose": 0, "output": 0, "function": 0, "critique": 0}
+    headers = {kind: header for kind, header in _HEADERS[style].items()}
+    kinds = dict.fromkeys(headers, 0)
     truths = []
+
+    def asked(prompt):  # the task whose program and first input the prompt shows
+        return next(t for t in tasks[0::2] if f"{_program_text(t.program, style)}Input: {t.inputs[0]}\n" in prompt)
+
     for prompt, answer in pairs:
-        if prompt.startswith("# Role: propose"):
-            kinds["propose"] += 1
+        kind = next(k for k, header in headers.items() if prompt.startswith(header))
+        kinds[kind] += 1
+        if kind == "propose":
             program, inputs = parse_proposal(answer)
-            assert program.startswith("def f(") and len(inputs) == 3
-        elif prompt.startswith("# Role: critique"):
-            kinds["critique"] += 1
+            assert program in {t.program for t in tasks[0::2]} and len(inputs) == 3
+        elif kind == "critique":
             judged = parse_judgement(answer)
             shown = prompt.split("Proposed answer: ")[1].strip()
-            task = next(t for t in tasks[0::2] if f"```python\n{t.program}```\nInput: {t.inputs[0]}\n" in prompt
-                        and prompt.index(t.program) >= 0)
-            assert judged == (shown == task.meta["outputs"][0])
+            assert judged == (shown == asked(prompt).meta["outputs"][0])
             truths.append(judged)
-        elif "Predict the output" in prompt:
-            kinds["output"] += 1
-            task = next(t for t in tasks[0::2] if f"```python\n{t.program}```\nInput: {t.inputs[0]}\n" in prompt)
-            assert parse_answer(answer) == task.meta["outputs"][0]
+        elif kind == "output":
+            assert parse_answer(answer) == asked(prompt).meta["outputs"][0]
         else:
-            kinds["function"] += 1
-            assert parse_program(answer).startswith("def f(")
+            assert parse_program(answer) in {t.program for t in tasks[0::2]}
     assert all(count > 10 for count in kinds.values()), kinds
     assert 0.3 < sum(truths) / len(truths) < 0.7
     # no function-induction examples when the recipe asks for none
-    assert not any("with these input/output pairs" in p for p, _ in warm_start_pairs(tasks, random.Random(0), 0.0))
+    assert not any(p.startswith(headers["function"]) for p, _ in warm_start_pairs(tasks, random.Random(0), 0.0, style))
+
+
+def test_compact_prompts_show_the_same_task_in_a_third_of_the_bytes():
+    task = _Task("def f(s):\n    return s[::-1]\n", ["'ab'"], ["'ba'"], "output", "grammar")
+    instruct, compact = (_solve_prompt(task, style) for style in ("instruct", "compact"))
+    assert compact == "#solve\ndef f(s):\n    return s[::-1]\nInput: 'ab'\n"
+    assert len(compact) < len(instruct) / 2.5
+    assert _critique_prompt(task, "'ba'", "compact").endswith("Input: 'ab'\nProposed answer: 'ba'\n")

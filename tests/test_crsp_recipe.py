@@ -45,3 +45,5 @@ def test_warm_start_with_lora_is_refused_with_the_fix() -> None:
         CRSPModule(config, config.build_tokenizer(), warm_start={"steps": 5})
     with pytest.raises(ValueError, match="val_solver_samples"):
         CRSPModule(config, config.build_tokenizer(), val_solver_samples=0)
+    with pytest.raises(ValueError, match=r"module.prompt_style must be one of \['instruct', 'compact'\], got 'short'"):
+        CRSPModule(config, config.build_tokenizer(), prompt_style="short")

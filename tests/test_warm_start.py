@@ -8,7 +8,15 @@ import torch
 from lit_memopt.data.reasoning_prompts import ReasoningPromptsDataModule
 from lit_memopt.models import ModelConfig
 from lit_memopt.modules.sft import next_token_nll
-from lit_memopt.modules.warm_start import IGNORE, WarmStart, _encode, fit_examples, warm_start_policy
+from lit_memopt.modules.warm_start import (
+    IGNORE,
+    WarmStart,
+    _encode,
+    backward_by_length,
+    fit_examples,
+    length_parts,
+    warm_start_policy,
+)
 
 
 def _config(layers: int = 2) -> ModelConfig:
@@ -49,6 +57,39 @@ def test_only_the_answer_and_eos_are_scored(setup):
     assert tok.decode(batch["input_ids"][1][batch["labels"][1] != IGNORE][:-1]) == "cba"
     # left padding: the shorter row starts with pads that are neither attended nor scored
     assert batch["attention_mask"][0, 0] == 0 and batch["labels"][0, 0] == IGNORE
+
+
+def test_length_parts_pad_long_rows_apart_only_when_that_saves_work():
+    # two lengths far apart: the long rows get a part of their own; every row is in exactly one part
+    lengths = [40, 200, 41, 39, 210, 42, 40, 205]
+    parts = length_parts(lengths)
+    assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
+    assert len(parts) >= 2 and {i for i, n in enumerate(lengths) if n > 100} in [set(p) for p in parts]
+    # rows of nearly one length: one part (another forward would cost more than the padding it saves)
+    assert length_parts([20, 21, 22, 20, 23, 21, 20, 22]) == [sorted(range(8), key=[20, 21, 22, 20, 23, 21, 20, 22].__getitem__)]
+    assert length_parts([5]) == [[0]] and length_parts([]) == [[]]
+
+
+def test_backward_by_length_gives_the_single_batch_gradient(setup):
+    cfg, tok, _ = setup
+    torch.manual_seed(1)
+    model = cfg.build_model().double()
+    short = [("copy ab=", "ab"), ("copy ba=", "ba"), ("copy bb=", "bb")]
+    long = [("copy " + w * 30 + "=", w * 30) for w in ("ab", "ba", "bb")]
+    pairs = [short[0], long[0], short[1], long[1], short[2], long[2]]
+    assert len(length_parts([len(p) + len(a) for p, a in pairs])) == 2  # the split under test happens
+    loss = backward_by_length(model, tok, pairs, torch.device("cpu"))
+    parted = [p.grad.clone() for p in model.parameters()]
+    # Reference: the token mean over the batch, from each row alone (no padding anywhere, so no RoPE
+    # position shift between the two computations: they agree to float64 rounding)
+    model.zero_grad()
+    rows = [next_token_nll(model, _encode(tok, [pair], torch.device("cpu"))) for pair in pairs]
+    total = sum(count for _, count in rows)
+    whole = sum(mean * count for mean, count in rows) / total
+    whole.backward()
+    assert loss == pytest.approx(whole.item(), rel=1e-12)
+    for a, p in zip(parted, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-13)
 
 
 def test_warm_start_lowers_the_loss_on_fresh_examples(setup):

@@ -21,6 +21,7 @@ from lit_memopt.modules.crsp_protocol import (  # the roles' text protocol (re-e
     _CANONICAL,
     ROLES,
     TASK_KINDS,
+    PROMPT_STYLES,
     _critique_prompt,
     _propose_prompt,
     _solve_prompt,
@@ -30,6 +31,7 @@ from lit_memopt.modules.crsp_protocol import (  # the roles' text protocol (re-e
     parse_judgement,
     parse_program,
     parse_proposal,
+    warm_start_pairs,
 )
 from lit_memopt.modules.rollout import (
     Rollout,
@@ -131,6 +133,9 @@ class CRSPModule(pl.LightningModule):
             (:class:`~lit_memopt.modules.warm_start.WarmStart` or its fields; ``None``: off).
         val_solver_samples: answers sampled per held-out task in validation (``val/solve_rate`` is
             their mean: pass@1 at the sampling temperature).
+        prompt_style: ``"instruct"`` (each role prompt says what to write, code in fenced blocks: for real
+            checkpoints) or ``"compact"`` (a role tag and the bare program, a third of the bytes: for a tiny
+            model that learns the protocol in its warm start).
 
     Raises:
         ValueError: any argument outside its accepted range (named in the message), or
@@ -185,10 +190,12 @@ class CRSPModule(pl.LightningModule):
         seed: int = 0,
         warm_start: dict[str, Any] | WarmStart | None = None,
         val_solver_samples: int = 1,
+        prompt_style: str = "instruct",
     ) -> None:
         super().__init__()
         self.warm_start = WarmStart.from_any(warm_start)
         _check(int(val_solver_samples) >= 1, "val_solver_samples", val_solver_samples, "an integer >= 1")
+        _check(prompt_style in PROMPT_STYLES, "prompt_style", prompt_style, f"one of {list(PROMPT_STYLES)}")
         if self.warm_start.steps and getattr(model_config, "lora", None) is not None:
             raise ValueError("module.warm_start trains the whole policy, but with model.lora the reference is the "
                              "untrained base under disable_adapter(): set model.lora=null, or module.warm_start.steps=0.")
@@ -280,6 +287,10 @@ class CRSPModule(pl.LightningModule):
         """The role's LoRA adapter active inside the block (the previous one restored after it)."""
         return active_adapter(self.model, role if self.hparams.role_adapters else None)
 
+    @property
+    def _style(self) -> str:
+        return self.hparams.get("prompt_style", "instruct")  # checkpoints saved before the option: instruct
+
     def _seed(self, role: str, stream: str = "") -> int:
         # distinct per rank, step, role (and validation batch); the same on a resumed or retried step
         return derive_seed(self.hparams.seed, rank=self.global_rank, step=self.global_step,
@@ -310,7 +321,7 @@ class CRSPModule(pl.LightningModule):
         sandbox = self.sandbox
         assert sandbox is not None
         examples = sandbox.run_many([(call_program(t.program, t.inputs[0]), "") for t in batch])
-        prompts = [_propose_prompt(t, v.stdout.strip()) for t, v in zip(batch, examples)]
+        prompts = [_propose_prompt(t, v.stdout.strip(), self._style) for t, v in zip(batch, examples)]
         rollout, texts = self._generate("propose", prompts, 1, int(self.hparams.max_new_tokens_propose),
                                             stream=stream)
         rng = random.Random(self._seed("solve", stream))
@@ -439,7 +450,8 @@ class CRSPModule(pl.LightningModule):
 
         # 2. solve
         n = int(hp.num_solver_samples)
-        s_rollout, s_texts = self._generate("solve", [_solve_prompt(t) for t in tasks], n, int(hp.max_new_tokens_solve))
+        s_rollout, s_texts = self._generate("solve", [_solve_prompt(t, self._style) for t in tasks], n,
+                                            int(hp.max_new_tokens_solve))
         for i, task in enumerate(tasks):
             task.answers = s_texts[i * n:(i + 1) * n]
         self._check_answers(tasks)
@@ -459,7 +471,7 @@ class CRSPModule(pl.LightningModule):
             for ai in range(k):
                 shown = parse_answer(task.answers[ai]) if task.kind == "output" else (parse_program(task.answers[ai]) or
                                                                                      task.answers[ai].strip())
-                c_prompts.append(_critique_prompt(task, shown))
+                c_prompts.append(_critique_prompt(task, shown, self._style))
                 c_truth.append(task.correct[ai])
                 c_group.append(ti)
         c_rollout, c_texts = self._generate("critique", c_prompts, 1, int(hp.max_new_tokens_critique))
@@ -518,7 +530,7 @@ class CRSPModule(pl.LightningModule):
         verdicts = sandbox.run_many([(batch_call_program(t.program, t.inputs), "") for t in batch])
         tasks = [_Task(t.program, list(t.inputs), _split_list_repr(v.stdout.strip(), len(t.inputs)) or [""], "output", "bank")
                  for t, v in zip(batch, verdicts)]
-        _, texts = self._generate("solve", [_solve_prompt(t) for t in tasks], n, int(self.hparams.max_new_tokens_solve),
+        _, texts = self._generate("solve", [_solve_prompt(t, self._style) for t in tasks], n, int(self.hparams.max_new_tokens_solve),
                                   stream=f"val/{batch_idx}")
         for i, task in enumerate(tasks):
             task.answers = texts[i * n:(i + 1) * n]
@@ -541,40 +553,8 @@ class CRSPModule(pl.LightningModule):
         if source is None:
             raise ValueError("a CRSP warm start needs CodeTaskDataModule(family='grammar') (data=code_tasks "
                              "data.family=grammar); or set module.warm_start.steps=0.")
-        return warm_start_pairs(source(2 * count, seed), random.Random(seed), float(self.hparams.function_task_ratio))
-
-
-def warm_start_pairs(tasks: list[CodeTask], rng: random.Random, function_task_ratio: float) -> list[tuple[str, str]]:
-    """``(prompt, answer)`` pairs of the three roles in CRSP's text protocol, one per two tasks with known outputs
-    (``task.meta["outputs"]``; the second task of each two is the proposer's example or a source of wrong answers):
-
-    - propose (15%): the example -> the task's program and its ``Input:`` lines;
-    - solve (65%, split by ``function_task_ratio``): predict ``f(input)`` -> ``<answer>output</answer>``, or write
-      ``f`` from the input/output pairs -> the program;
-    - critique (20%): the task with a correct or a wrong output (another input's) -> ``Verdict: correct|incorrect``.
-    """
-    roles = ("propose", "output", "function", "critique")
-    weights = (0.15, 0.65 * (1 - function_task_ratio), 0.65 * function_task_ratio, 0.2)
-    pairs: list[tuple[str, str]] = []
-    for task, other in zip(tasks[0::2], tasks[1::2]):
-        outputs = list(task.meta["outputs"])
-        role = rng.choices(roles, weights)[0]
-        if role == "propose":
-            inputs = "".join(f"Input: {i}\n" for i in task.inputs)
-            pairs.append((_propose_prompt(other, other.meta["outputs"][0]), f"```python\n{task.program}```\n{inputs}"))
-            continue
-        solvable = _Task(task.program, list(task.inputs), outputs, "function" if role == "function" else "output",
-                         task.source)
-        if role == "output":
-            pairs.append((_solve_prompt(solvable), f"<answer>{outputs[0]}</answer>"))
-        elif role == "function":
-            pairs.append((_solve_prompt(solvable), f"```python\n{task.program}```"))
-        else:
-            wrong = [o for o in outputs[1:] + list(other.meta["outputs"]) if o != outputs[0]]
-            correct = rng.random() < 0.5 or not wrong
-            shown = outputs[0] if correct else rng.choice(wrong)
-            pairs.append((_critique_prompt(solvable, shown), f"Verdict: {'correct' if correct else 'incorrect'}"))
-    return pairs
+        return warm_start_pairs(source(2 * count, seed), random.Random(seed), float(self.hparams.function_task_ratio),
+                                self._style)
 
 
 def _tasks_of(batch: dict[str, Any] | list[CodeTask]) -> list[CodeTask]:

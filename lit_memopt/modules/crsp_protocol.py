@@ -6,12 +6,13 @@ sandbox). ``CRSPModule`` (``crsp.py``) drives the roles with it.
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass, field
 
 from lit_memopt.data.code_tasks import CodeTask
 
-__all__ = ["ROLES", "TASK_KINDS", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
+__all__ = ["ROLES", "TASK_KINDS", "PROMPT_STYLES", "warm_start_pairs", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
 
 ROLES = ("propose", "solve", "critique")
 TASK_KINDS = ("output", "function")
@@ -72,22 +73,45 @@ def parse_judgement(text: str) -> bool | None:
 
 
 # ------------------------------------------------------------------------------------ prompts
-def _propose_prompt(example: CodeTask, example_output: str) -> str:
-    return ("# Role: propose\n# Write a new Python function f and an input for it, like this example.\n"
-            f"```python\n{example.program}```\nInput: {example.inputs[0]}\n# Output: {example_output}\n# Your task:\n")
+# "instruct": a comment line that tells the role what to write, and fenced code (real checkpoints follow it).
+# "compact": a one-word role tag and the bare program: about 45 bytes a solve prompt instead of about 130, for
+# a tiny model that learns the protocol in its warm start (the instruction bytes are the same in every prompt
+# and only cost it sequence length). Answers are written and parsed the same way in both styles.
+PROMPT_STYLES = ("instruct", "compact")
+_HEADERS = {
+    "instruct": {
+        "propose": "# Role: propose\n# Write a new Python function f and an input for it, like this example.\n",
+        "output": "# Role: solve\n# Predict the output of f(input); answer inside <answer></answer>.\n",
+        "function": "# Role: solve\n# Write a Python function f with these input/output pairs, in a ```python block.\n",
+        "critique": "# Role: critique\n# Is the proposed answer correct? End with 'Verdict: correct' or "
+                    "'Verdict: incorrect'.\n",
+    },
+    "compact": {"propose": "#propose\n", "output": "#solve\n", "function": "#induce\n", "critique": "#critique\n"},
+}
 
 
-def _solve_prompt(task: "_Task") -> str:
+def _program_text(program: str, style: str) -> str:
+    return f"```python\n{program}```\n" if style == "instruct" else program
+
+
+def _task_text(task: "_Task", style: str) -> str:
+    """What a solver (and a critic) is shown of a task, without the role header."""
     if task.kind == "output":
-        return ("# Role: solve\n# Predict the output of f(input); answer inside <answer></answer>.\n"
-                f"```python\n{task.program}```\nInput: {task.inputs[0]}\n")
-    pairs = "".join(f"Input: {i} -> Output: {o}\n" for i, o in zip(task.inputs, task.outputs))
-    return "# Role: solve\n# Write a Python function f with these input/output pairs, in a ```python block.\n" + pairs
+        return f"{_program_text(task.program, style)}Input: {task.inputs[0]}\n"
+    return "".join(f"Input: {i} -> Output: {o}\n" for i, o in zip(task.inputs, task.outputs))
 
 
-def _critique_prompt(task: "_Task", answer: str) -> str:
-    return ("# Role: critique\n# Is the proposed answer correct? End with 'Verdict: correct' or 'Verdict: incorrect'.\n"
-            + _solve_prompt(task).split("\n", 2)[2] + f"Proposed answer: {answer[:_MAX_FIELD_CHARS]}\n")
+def _propose_prompt(example: CodeTask, example_output: str, style: str = "instruct") -> str:
+    return (f"{_HEADERS[style]['propose']}{_program_text(example.program, style)}Input: {example.inputs[0]}\n"
+            f"# Output: {example_output}\n# Your task:\n")
+
+
+def _solve_prompt(task: "_Task", style: str = "instruct") -> str:
+    return _HEADERS[style][task.kind] + _task_text(task, style)
+
+
+def _critique_prompt(task: "_Task", answer: str, style: str = "instruct") -> str:
+    return f"{_HEADERS[style]['critique']}{_task_text(task, style)}Proposed answer: {answer[:_MAX_FIELD_CHARS]}\n"
 
 
 @dataclass
@@ -102,6 +126,41 @@ class _Task:
     proposal: int | None = None  # index of the proposal it came from (None: task bank fallback)
     answers: list[str] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)
+
+
+def warm_start_pairs(tasks: list[CodeTask], rng: random.Random, function_task_ratio: float,
+                     style: str = "instruct") -> list[tuple[str, str]]:
+    """``(prompt, answer)`` pairs of the three roles in CRSP's text protocol (prompts and programs in ``style``), one
+    per two tasks with known outputs (``task.meta["outputs"]``; the second task of each two is the proposer's example
+    or a source of wrong answers):
+
+    - propose (15%): the example -> the task's program and its ``Input:`` lines;
+    - solve (65%, split by ``function_task_ratio``): predict ``f(input)`` -> ``<answer>output</answer>``, or write
+      ``f`` from the input/output pairs -> the program;
+    - critique (20%): the task with a correct or a wrong output (another input's) -> ``Verdict: correct|incorrect``.
+    """
+    roles = ("propose", "output", "function", "critique")
+    weights = (0.15, 0.65 * (1 - function_task_ratio), 0.65 * function_task_ratio, 0.2)
+    pairs: list[tuple[str, str]] = []
+    for task, other in zip(tasks[0::2], tasks[1::2]):
+        outputs = list(task.meta["outputs"])
+        role = rng.choices(roles, weights)[0]
+        if role == "propose":
+            inputs = "".join(f"Input: {i}\n" for i in task.inputs)
+            pairs.append((_propose_prompt(other, other.meta["outputs"][0], style), _program_text(task.program, style) + inputs))
+            continue
+        solvable = _Task(task.program, list(task.inputs), outputs, "function" if role == "function" else "output",
+                         task.source)
+        if role == "output":
+            pairs.append((_solve_prompt(solvable, style), f"<answer>{outputs[0]}</answer>"))
+        elif role == "function":
+            pairs.append((_solve_prompt(solvable, style), _program_text(task.program, style)))
+        else:
+            wrong = [o for o in outputs[1:] + list(other.meta["outputs"]) if o != outputs[0]]
+            correct = rng.random() < 0.5 or not wrong
+            shown = outputs[0] if correct else rng.choice(wrong)
+            pairs.append((_critique_prompt(solvable, shown, style), f"Verdict: {'correct' if correct else 'incorrect'}"))
+    return pairs
 
 
 def _split_list_repr(text: str, count: int) -> list[str] | None:
