@@ -114,12 +114,13 @@ def length_parts(lengths: list[int], max_parts: int = 4) -> list[list[int]]:
     rows are all short (one part).
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    best: list[list[int]] = [order]
-    best_cost = None
-    for k in range(1, max(1, min(max_parts, len(order))) + 1):
+    # One part keeps the rows' own order: the batch is exactly the single padded batch of before.
+    best: list[list[int]] = [list(range(len(lengths)))]
+    best_cost = len(lengths) * max(lengths, default=0) + _PART_COST_TOKENS
+    for k in range(2, min(max_parts, len(order)) + 1):
         parts = [order[j * len(order) // k:(j + 1) * len(order) // k] for j in range(k)]
-        cost = sum(len(p) * lengths[p[-1]] for p in parts if p) + k * _PART_COST_TOKENS
-        if best_cost is None or cost < best_cost:
+        cost = sum(len(p) * lengths[p[-1]] for p in parts) + k * _PART_COST_TOKENS
+        if cost < best_cost:
             best, best_cost = parts, cost
     return best
 
