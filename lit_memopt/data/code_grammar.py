@@ -5,11 +5,10 @@ random-init model of a few M parameters, so on the embedded default CRSP would o
 This family is meant to be within such a model's reach after a warm start, but not solved by it:
 ``def f(x): return x + 3`` on small integers, ``def f(s): return s[::-1]`` on short strings. Predicting
 an output needs reading the program and computing (copy, reverse, small arithmetic). Measured on the
-embedded default (3.2M parameters, 600 warm-start steps, a probe script with an early form of the compact
-prompts; 96 held-out tasks): solve rate 0.40
-greedy, 0.30 sampled, with ``len``/``count``/``first``/``head`` mostly right, ``upper``/``reverse`` right
-about 40% of the time greedily, and ``add``/``sub``/``repeat``/``tail`` not yet (after 300 steps: 0.20 and
-0.19, the copy-type ones not at all).
+embedded default (3.2M parameters, 600 warm-start steps; a probe script with an early form of the compact
+prompts, 96 held-out tasks): solve rate 0.40 greedy, 0.30 sampled, with ``len``/``count``/``first``/``head``
+mostly right, ``upper``/``reverse`` right about 40% of the time greedily, and ``add``/``sub``/``repeat``/
+``tail`` not yet (after 300 steps: 0.20 and 0.19, the copy-type ones not at all).
 
 Every task's outputs are known without running generated code: each template carries its own
 pure-Python meaning (``GrammarTemplate.meaning``), used for the warm-start answers. During training the
