@@ -1,4 +1,5 @@
-"""CRSP's text protocol: the prompts of the three roles and the parsers of what they write.
+"""CRSP's text protocol: the prompts of the three roles (in two styles), the parsers of what they write, and
+the supervised warm-start pairs written in it.
 
 Pure string work: generated text is never evaluated in the trainer's process (programs run in the
 sandbox). ``CRSPModule`` (``crsp.py``) drives the roles with it.
