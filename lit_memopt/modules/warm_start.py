@@ -27,7 +27,7 @@ from lit_memopt.models.tokens import left_pad
 from lit_memopt.modules.sft import next_token_nll
 
 __all__ = ["WarmStart", "ExampleSource", "fit_examples", "warm_start_policy", "copy_policy_into", "warm_start_in_setup",
-           "cpu_threads_at_least", "local_cpu_share"]
+           "cpu_threads_at_least", "local_cpu_share", "length_parts", "backward_by_length"]
 
 ExampleSource = Callable[[int, int], list[tuple[str, str]]]
 IGNORE = -100
