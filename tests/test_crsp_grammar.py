@@ -75,7 +75,7 @@ def test_warm_start_pairs_speak_the_protocol_the_rewards_parse(style):
     tasks = sample_tasks(400, seed=7)
     pairs = warm_start_pairs(tasks, random.Random(0), function_task_ratio=0.5, style=style)
     assert len(pairs) == 200
-    headers = {kind: header for kind, header in _HEADERS[style].items()}
+    headers = _HEADERS[style]
     kinds = dict.fromkeys(headers, 0)
     truths = []
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from lit_memopt.data.code_tasks import CodeTask
 
-__all__ = ["ROLES", "TASK_KINDS", "PROMPT_STYLES", "warm_start_pairs", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
+__all__ = ["ROLES", "TASK_KINDS", "PROMPT_STYLES", "warm_start_pairs", "parse_proposal", "parse_answer", "parse_program",
+           "parse_judgement"]
 
 ROLES = ("propose", "solve", "critique")
 TASK_KINDS = ("output", "function")
@@ -148,7 +149,8 @@ def warm_start_pairs(tasks: list[CodeTask], rng: random.Random, function_task_ra
         role = rng.choices(roles, weights)[0]
         if role == "propose":
             inputs = "".join(f"Input: {i}\n" for i in task.inputs)
-            pairs.append((_propose_prompt(other, other.meta["outputs"][0], style), _program_text(task.program, style) + inputs))
+            pairs.append((_propose_prompt(other, other.meta["outputs"][0], style),
+                          _program_text(task.program, style) + inputs))
             continue
         solvable = _Task(task.program, list(task.inputs), outputs, "function" if role == "function" else "output",
                          task.source)
