@@ -61,6 +61,8 @@ def test_bad_arguments_are_named() -> None:
         CRSPModule(config, tokenizer, num_solver_samples=2, critiques_per_task=3)
     with pytest.raises(ValueError, match="beta_solve"):
         CRSPModule(config, tokenizer, beta_solve=-1.0)
+    with pytest.raises(ValueError, match="weight_propose"):
+        CRSPModule(config, tokenizer, weight_propose=-0.5)
     with pytest.raises(ValueError, match="role_adapters"):
         CRSPModule(_config(lora=False), tokenizer, role_adapters=True)
 
@@ -110,6 +112,15 @@ def test_role_loss_matches_naive_forward_and_backward(monkeypatch) -> None:
         assert torch.allclose(fused, naive.detach(), atol=1e-5, rtol=1e-4)
         for got, want in zip((p.grad for p in lora), naive_grads):
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-3)
+
+    # weight_solve scales the role's loss and gradient, nothing else
+    halved = _module(weight_solve=0.5)
+    halved.load_state_dict(module.state_dict())
+    monkeypatch.setattr(halved, "manual_backward", lambda loss: loss.backward())
+    fused = halved._role_backward("solve", rollout, rewards)
+    assert torch.allclose(fused, 0.5 * naive.detach(), atol=1e-5, rtol=1e-4)
+    for got, want in zip((p.grad for p in halved.model.parameters() if p.requires_grad), naive_grads):
+        assert torch.allclose(got, 0.5 * want, atol=1e-5, rtol=1e-3)
 
 
 # ------------------------------------------------------------------------------ end to end

@@ -86,7 +86,8 @@ class CRSPModule(pl.LightningModule):
 
     Loss: ``tr_rpg_loss(logp, logp_ref, reward, beta_role, mask=response tokens)`` per role, where
     ``logp_ref`` comes from the reference policy, so the ``beta`` term regularises towards it (data
-    are on-policy: one update per rollout). The step's loss is the sum of the three role losses.
+    are on-policy: one update per rollout). The step's loss is the sum of the three role losses, each
+    times its ``weight_<role>``.
 
     Memory: log-probs come from decoder hidden states through ``linear_logprobs`` (no ``[B, T, V]``
     logits), reference log-probs without grad in micro-batches. With LoRA (``model.lora``) the
@@ -110,6 +111,9 @@ class CRSPModule(pl.LightningModule):
         tokenizer: encodes prompts, decodes responses, counts ``<think>`` tokens.
         lr, weight_decay, betas: AdamW settings.
         beta_propose, beta_solve, beta_critique: TR-RPG regularisation per role.
+        weight_propose, weight_solve, weight_critique: each role's weight in the step's loss (>= 0; 0 stops
+            that role learning, its rollouts still run): with one optimizer for the shared policy, a lower
+            weight slows a role relative to the others.
         clamp: TR-RPG bound on ``|log(pi / pi_ref)|``.
         num_solver_samples: answers per task (the ``n`` of the solve rate), >= 1.
         critiques_per_task: solver answers critiqued per task, in ``[1, num_solver_samples]``.
@@ -164,6 +168,9 @@ class CRSPModule(pl.LightningModule):
         beta_propose: float = 0.01,
         beta_solve: float = 0.05,
         beta_critique: float = 0.1,
+        weight_propose: float = 1.0,
+        weight_solve: float = 1.0,
+        weight_critique: float = 1.0,
         clamp: float = 2.3,
         num_solver_samples: int = 4,
         critiques_per_task: int = 2,
@@ -201,6 +208,9 @@ class CRSPModule(pl.LightningModule):
                              "untrained base under disable_adapter(): set model.lora=null, or module.warm_start.steps=0.")
         for name, value in (("beta_propose", beta_propose), ("beta_solve", beta_solve), ("beta_critique", beta_critique)):
             _check(value >= 0, name, value, ">= 0")
+        for name, value in (("weight_propose", weight_propose), ("weight_solve", weight_solve),
+                            ("weight_critique", weight_critique)):
+            _check(value >= 0, name, value, ">= 0")
         _check(lr > 0, "lr", lr, "> 0")
         _check(clamp > 0, "clamp", clamp, "> 0")
         _check(int(num_solver_samples) >= 1, "num_solver_samples", num_solver_samples, "an integer >= 1")
@@ -229,6 +239,8 @@ class CRSPModule(pl.LightningModule):
         self.alpha = AlphaSchedule(alpha_breakpoints)
         self.normalizers = torch.nn.ModuleDict({role: RunningNormalizer(eps=normalizer_eps) for role in ROLES})
         self.betas_by_role = {"propose": float(beta_propose), "solve": float(beta_solve), "critique": float(beta_critique)}
+        self.weights_by_role = {"propose": float(weight_propose), "solve": float(weight_solve),
+                                "critique": float(weight_critique)}
         self.sandbox: Sandbox | None = None
 
     # ------------------------------------------------------------------------------ set-up
@@ -408,6 +420,7 @@ class CRSPModule(pl.LightningModule):
         weight = lm_head_weight(self.model)
         value = torch.zeros((), device=ids.device)
         beta = self.betas_by_role[role]
+        role_weight = self.weights_by_role[role]
 
         def micro_batch_loss(part: dict[str, torch.Tensor], share: float) -> torch.Tensor:
             hidden, targets, positions = response_hidden_states(self.model, part["input_ids"], part["attention_mask"],
@@ -418,7 +431,7 @@ class CRSPModule(pl.LightningModule):
 
         for start in range(0, ids.shape[0], mb):
             rows = slice(start, start + mb)
-            share = int(counted[rows].sum()) / total
+            share = role_weight * int(counted[rows].sum()) / total
             if share == 0:
                 continue
             part = {"input_ids": ids[rows], "attention_mask": attn[rows], "response_mask": resp[rows],
