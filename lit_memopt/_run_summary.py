@@ -18,6 +18,10 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
+# A metric logged as "<key>_stderr" next to "<key>" (its standard error) is printed as "value ± error".
+STDERR_SUFFIX = "_stderr"
+
+
 class RunSummary(pl.Callback):
     """Records the module's ``summary_keys`` at every training step so the summary can compare start and end."""
 
@@ -75,8 +79,13 @@ def print_summary(result: dict[str, Any]) -> None:
     table.add_column("metric")
     table.add_column("start", justify="right")
     table.add_column("end", justify="right")
-    for key, stats in result["metrics"].items():
-        table.add_row(key, f"{stats['start']:.4f}", f"{stats['end']:.4f}")
+    metrics = result["metrics"]
+    for key, stats in metrics.items():
+        if key.endswith(STDERR_SUFFIX) and key[: -len(STDERR_SUFFIX)] in metrics:
+            continue  # shown with its metric
+        error = metrics.get(key + STDERR_SUFFIX)
+        cells = [f"{stats[end]:.4f}" + (f" ± {error[end]:.4f}" if error else "") for end in ("start", "end")]
+        table.add_row(key, *cells)
     if result["command"] == "validate":
         for key, value in result["final_metrics"].items():
             if key not in result["metrics"]:  # the recorded ones are in the table already

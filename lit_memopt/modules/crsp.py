@@ -55,6 +55,7 @@ from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
 from lit_memopt.models.adapters import active_adapter
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
+from lit_memopt.modules._heldout import MeanAndStderr
 from lit_memopt.seeding import derive_seed
 
 __all__ = ["CRSPModule", "warm_start_pairs", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]
@@ -136,7 +137,8 @@ class CRSPModule(pl.LightningModule):
             (``CodeTaskDataModule(family="grammar")``) before RL; see :meth:`warm_start_examples`
             (:class:`~lit_memopt.modules.warm_start.WarmStart` or its fields; ``None``: off).
         val_solver_samples: answers sampled per held-out task in validation (``val/solve_rate`` is
-            their mean: pass@1 at the sampling temperature).
+            their mean: pass@1 at the sampling temperature; ``val/solve_rate_stderr`` its standard error
+            over tasks).
         prompt_style: ``"instruct"`` (each role prompt says what to write, code in fenced blocks: for real
             checkpoints) or ``"compact"`` (a role tag and the bare program, a third of the bytes: for a tiny
             model that learns the protocol in its warm start).
@@ -156,7 +158,7 @@ class CRSPModule(pl.LightningModule):
 
     summary_keys = ("train/reward_propose", "train/reward_solve", "train/reward_critique", "train/solve_rate",
                     "train/proposal_valid_rate", "train/sandbox_cache_hit_rate", "val/solve_rate",
-                    "val/proposal_valid_rate")
+                    "val/solve_rate_stderr", "val/proposal_valid_rate")
 
     def __init__(
         self,
@@ -242,6 +244,7 @@ class CRSPModule(pl.LightningModule):
         self.weights_by_role = {"propose": float(weight_propose), "solve": float(weight_solve),
                                 "critique": float(weight_critique)}
         self.sandbox: Sandbox | None = None
+        self.val_solve_rate = MeanAndStderr()  # over held-out tasks, whose sampled answers are not independent
 
     # ------------------------------------------------------------------------------ set-up
     def _add_role_adapters(self) -> None:
@@ -548,12 +551,19 @@ class CRSPModule(pl.LightningModule):
         for i, task in enumerate(tasks):
             task.answers = texts[i * n:(i + 1) * n]
         self._check_answers(tasks)
-        rate = sum(sum(t.correct) for t in tasks) / (n * len(tasks))
+        self.val_solve_rate.update(torch.tensor([sum(t.correct) / n for t in tasks], device=self.device))
         _, _, proposals, _ = self._propose(batch, stream=f"val/{batch_idx}")
         valid = sum(p is not None for p in proposals) / len(batch)
-        self.log("val/solve_rate", torch.tensor(rate, device=self.device), batch_size=len(batch), sync_dist=True)
         self.log("val/proposal_valid_rate", torch.tensor(valid, device=self.device), batch_size=len(batch),
                  sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        """``val/solve_rate`` over every rank's held-out tasks, with its standard error over tasks."""
+        if self.val_solve_rate.updated:
+            rate, stderr = self.val_solve_rate.compute()
+            self.log("val/solve_rate", rate, sync_dist=True)  # already global: syncing averages equal values
+            self.log("val/solve_rate_stderr", stderr, sync_dist=True)
+        self.val_solve_rate.reset()
 
     # ------------------------------------------------------------------------------ warm start
     def warm_start_examples(self, count: int, seed: int) -> list[tuple[str, str]]:

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memopt.models import lm_head_weight
+from lit_memopt.modules._heldout import MeanAndStderr
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.seeding import derive_seed
@@ -99,7 +100,7 @@ class IntuitorModule(pl.LightningModule):
     # Responses are sampled until end-of-sequence: `lit-memopt estimate` sizes the worst case (all at max_new_tokens).
     generates_until_eos = True
 
-    summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/self_certainty")
+    summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/accuracy_stderr", "val/self_certainty")
 
     def __init__(
         self,
@@ -144,6 +145,7 @@ class IntuitorModule(pl.LightningModule):
         self.tokenizer = tokenizer
         self.checker = checker
         self.model = model_config.build_model()
+        self.val_accuracy = MeanAndStderr()  # over held-out prompts
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference: torch.nn.Module | None = None
@@ -306,7 +308,15 @@ class IntuitorModule(pl.LightningModule):
         self.log("val/response_length", rollout.response_lengths.float().mean(), batch_size=num_prompts, sync_dist=True)
         accuracy = self._accuracy(batch, rollout)
         if accuracy is not None:
-            self.log("val/accuracy", accuracy.mean(), batch_size=num_prompts, sync_dist=True)
+            self.val_accuracy.update(accuracy.view(num_prompts, -1).mean(dim=-1))
+
+    def on_validation_epoch_end(self) -> None:
+        """``val/accuracy`` over every rank's held-out prompts, with its standard error over prompts."""
+        if self.val_accuracy.updated:
+            accuracy, stderr = self.val_accuracy.compute()
+            self.log("val/accuracy", accuracy, sync_dist=True)  # already global: syncing averages equal values
+            self.log("val/accuracy_stderr", stderr, sync_dist=True)
+        self.val_accuracy.reset()
 
     def configure_model(self) -> None:
         """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
