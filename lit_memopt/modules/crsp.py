@@ -414,7 +414,8 @@ class CRSPModule(pl.LightningModule):
         counted = resp.clone()
         counted[:, 0] = False
         total = int(counted.sum())
-        if total == 0:
+        role_weight = self.weights_by_role[role]
+        if total == 0 or role_weight == 0:  # nothing to learn: skip the reference pass too
             return torch.zeros((), device=ids.device)
         mb = int(hp.micro_batch_size)
         ref = reference_logprobs(self.model, ids, attn, resp, reference_model=self.reference,
@@ -423,7 +424,6 @@ class CRSPModule(pl.LightningModule):
         weight = lm_head_weight(self.model)
         value = torch.zeros((), device=ids.device)
         beta = self.betas_by_role[role]
-        role_weight = self.weights_by_role[role]
 
         def micro_batch_loss(part: dict[str, torch.Tensor], share: float) -> torch.Tensor:
             hidden, targets, positions = response_hidden_states(self.model, part["input_ids"], part["attention_mask"],
