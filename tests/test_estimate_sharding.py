@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lit_memopt.memory.sharding import per_rank_estimate
 from lit_memopt.memory.step import PeakEstimate
 from lit_memopt.memory.tracker import ModuleMemory
+
+from _ranks import free_port, run_ranks
 
 WORLD = 2
 # The embedded tiny model with 2 blocks (a full trace) on a batch large enough for activations to matter.
@@ -32,12 +31,6 @@ def _compose():  # noqa: ANN202
         cfg.logger = None
         cfg.callbacks = None
     return cfg
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -93,16 +86,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def _run_two_ranks(out_dir: Path, timeout_s: float) -> list[int]:
-    context = mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"the 2-process FSDP2 run did not finish in {timeout_s} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    failure = run_ranks(_worker, (free_port(), str(out_dir)), nprocs=WORLD, timeout_s=timeout_s)
+    assert failure is None, f"the 2-process FSDP2 run: {failure}"
     return [torch.load(out_dir / f"rank{r}.pt")["peak"] for r in range(WORLD)]
 
 

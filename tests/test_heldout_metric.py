@@ -11,6 +11,8 @@ import torch
 from lit_memopt._run_summary import print_summary
 from lit_memopt.modules._heldout import MeanAndStderr
 
+from _ranks import free_port, run_ranks
+
 
 def test_mean_and_stderr_match_the_formula_whatever_the_batches() -> None:
     values = [1.0, 0.0, 0.5, 0.25, 1.0, 0.0, 0.75]
@@ -64,21 +66,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_ranks_report_the_mean_and_error_of_all_units(tmp_path) -> None:
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + 100
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the two metric processes hung")
+    failure = run_ranks(_worker, (free_port(), str(tmp_path)), nprocs=2, timeout_s=100)
+    assert failure is None, failure
     values = [v for part in RANK_VALUES for v in part]
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")

@@ -5,21 +5,15 @@ error on one rank stops every rank instead of leaving the others waiting in a co
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from _ranks import free_port, run_ranks
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str, tests_dir: str) -> None:
@@ -66,10 +60,8 @@ def _worker(rank: int, port: int, out_dir: str, tests_dir: str) -> None:
 @pytest.mark.timeout(240)
 def test_ddp_oom_on_one_rank_keeps_ranks_in_step(tmp_path: Path) -> None:
     tests_dir = str(Path(__file__).parent)
-    context = mp.start_processes(_worker, args=(_free_port(), str(tmp_path), tests_dir), nprocs=WORLD,
-                                 start_method="spawn", join=False)
-    while not context.join(timeout=200):
-        pass
+    failure = run_ranks(_worker, (free_port(), str(tmp_path), tests_dir), nprocs=WORLD, timeout_s=200)
+    assert failure is None, failure
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     r0, r1 = results
     # Decisions were taken together: both ranks saw the same events and size changes...

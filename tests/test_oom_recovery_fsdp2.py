@@ -10,7 +10,6 @@ off hangs or aborts: the guards are what keeps the ranks in step.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections import defaultdict
 from datetime import timedelta
@@ -19,18 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
 from test_oom_recovery import _OOMInBackward  # the OOM in the middle of backward (memory_budget)
+from _ranks import free_port, run_ranks
 
 WORLD = 2
 DIM, HIDDEN, N_SAMPLES, BATCH = 6, 16, 64, 8
 VOCAB, SEQ = 64, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_module(kind: str, plan: dict, accumulate: int):  # noqa: ANN202 - classes live in the worker (spawn)
@@ -186,23 +180,11 @@ def _worker(rank: int, port: int, out_dir: str, tests_dir: str, scenario: str) -
 
 def _spawn(tmp_path: Path, scenario: str, timeout_s: float) -> bool:
     """Run the scenario on 2 processes; True if both finished within ``timeout_s`` without error."""
-    context = mp.start_processes(_worker, args=(_free_port(), str(tmp_path), str(Path(__file__).parent), scenario),
-                                 nprocs=WORLD, start_method="spawn", join=False)
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for p in context.processes:
-                    p.kill()
-                return False
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-        print(f"[{scenario}] a rank failed: {error}", file=sys.stderr)
-        for p in context.processes:
-            p.kill()
-        return False
-    return True
+    failure = run_ranks(_worker, (free_port(), str(tmp_path), str(Path(__file__).parent), scenario), nprocs=WORLD,
+                        timeout_s=timeout_s)
+    if failure is not None:
+        print(f"[{scenario}] {failure}", file=sys.stderr)
+    return failure is None
 
 
 @pytest.mark.slow

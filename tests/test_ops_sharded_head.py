@@ -9,21 +9,14 @@ into the shard.
 from __future__ import annotations
 
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from _ranks import free_port, run_ranks
 
 WORLD, N, H, V = 2, 6, 8, 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Tied(torch.nn.Module):
@@ -107,13 +100,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sharded_head_matches_single_process(tmp_path: Path) -> None:
-    context = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn", join=False)
-    deadline = time.monotonic() + 150
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the sharded-head processes hung")
+    failure = run_ranks(_worker, (free_port(), str(tmp_path)), nprocs=WORLD, timeout_s=150)
+    assert failure is None, f"the sharded-head run: {failure}"
     reference = _reference()
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

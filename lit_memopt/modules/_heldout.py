@@ -7,6 +7,8 @@ the mean lets the end-of-run summary say so.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
@@ -53,6 +55,17 @@ class MeanAndStderr(torch.nn.Module):
             return mean, torch.zeros_like(mean)
         variance = (squares - mean * mean).clamp_min(0.0) * n / (n - 1)
         return mean, (variance / n).sqrt()
+
+    def log_and_reset(self, module: Any, name: str) -> None:
+        """Log ``name`` and ``name + "_stderr"`` through ``module.log`` (if any unit was added), then reset.
+
+        Call it from ``on_validation_epoch_end`` on every rank: ``compute`` gathers the ranks.
+        """
+        if self.updated:
+            mean, stderr = self.compute()
+            module.log(name, mean, sync_dist=True)  # already global: syncing averages equal values
+            module.log(name + "_stderr", stderr, sync_dist=True)
+        self.reset()
 
     def reset(self) -> None:
         # Lightning validates under inference mode in `trainer.validate` but not always inside `fit`: states

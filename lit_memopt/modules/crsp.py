@@ -559,11 +559,7 @@ class CRSPModule(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """``val/solve_rate`` over every rank's held-out tasks, with its standard error over tasks."""
-        if self.val_solve_rate.updated:
-            rate, stderr = self.val_solve_rate.compute()
-            self.log("val/solve_rate", rate, sync_dist=True)  # already global: syncing averages equal values
-            self.log("val/solve_rate_stderr", stderr, sync_dist=True)
-        self.val_solve_rate.reset()
+        self.val_solve_rate.log_and_reset(self, "val/solve_rate")
 
     # ------------------------------------------------------------------------------ warm start
     def warm_start_examples(self, count: int, seed: int) -> list[tuple[str, str]]:

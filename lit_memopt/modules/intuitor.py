@@ -312,11 +312,7 @@ class IntuitorModule(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """``val/accuracy`` over every rank's held-out prompts, with its standard error over prompts."""
-        if self.val_accuracy.updated:
-            accuracy, stderr = self.val_accuracy.compute()
-            self.log("val/accuracy", accuracy, sync_dist=True)  # already global: syncing averages equal values
-            self.log("val/accuracy_stderr", stderr, sync_dist=True)
-        self.val_accuracy.reset()
+        self.val_accuracy.log_and_reset(self, "val/accuracy")
 
     def configure_model(self) -> None:
         """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
