@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lit_memopt.models.hf import ModelConfig, decoder_outputs, lm_head_weight
+from lit_memopt.modules._heldout import MeanAndStderr
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
 from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax
@@ -138,7 +139,7 @@ class GradeModule(pl.LightningModule):
         out.loss.backward()
     """
 
-    summary_keys = ("train/reward", "train/kl", "val/reward", "val/kl")
+    summary_keys = ("train/reward", "train/kl", "val/reward", "val/reward_stderr", "val/kl")
 
     def __init__(
         self,
@@ -169,6 +170,7 @@ class GradeModule(pl.LightningModule):
             head_vocab_tile=head_vocab_tile,
         )
         self.save_hyperparameters(ignore=["model_config", "tokenizer", "reward_model"])
+        self.val_reward = MeanAndStderr()  # over held-out prompts
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.policy = model_config.build_model()
@@ -497,9 +499,13 @@ class GradeModule(pl.LightningModule):
         generator = self.noise_generators(batch["input_ids"], -1, batch_idx, batch.get("index"))
         out = self.generate_and_score(batch["input_ids"], batch.get("attention_mask"), tau=self.current_tau(), generator=generator)
         size = batch["input_ids"].shape[0]
-        self.log("val/reward", out.reward.mean(), prog_bar=True, batch_size=size, sync_dist=True)
+        self.val_reward.update(out.reward)
         self.log("val/kl", out.kl.mean(), batch_size=size, sync_dist=True)
         return out.loss
+
+    def on_validation_epoch_end(self) -> None:
+        """``val/reward`` over every rank's held-out prompts, with its standard error over prompts."""
+        self.val_reward.log_and_reset(self, "val/reward")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
