@@ -28,7 +28,8 @@ def test_recipe_warm_starts_validates_first_and_caches(tmp_path: Path) -> None:
     rows = list(csv.DictReader(next((tmp_path / "run").glob("logs/version_*/metrics.csv")).open()))
     val_steps = [int(r["step"]) for r in rows if r.get("val/solve_rate")]
     assert val_steps[0] == 0 and len(val_steps) == 2, val_steps  # validate_first, then after the step
-    assert all(r.get("val/proposal_valid_rate") and r.get("val/solve_rate_stderr") for r in rows if r.get("val/solve_rate"))
+    assert all(r.get("val/proposal_valid_rate") and r.get("val/solve_rate_stderr") and r.get("val/solve_rate_greedy")
+               for r in rows if r.get("val/solve_rate"))
     assert "val/solve_rate" in first.stdout and "val/proposal_valid_rate" in first.stdout
     assert "±" in first.stdout and "val/solve_rate_stderr" not in first.stdout  # the error printed with its metric
 

@@ -26,7 +26,7 @@ def test_embedded_recipe_self_certainty_rises(tmp_path: Path) -> None:
     pl.seed_everything(0)
     objects = cli.instantiate_run(cfg)
     module = objects.module
-    assert isinstance(module, IntuitorModule) and module.summary_keys == ("train/self_certainty", "train/kl", "val/accuracy", "val/accuracy_stderr", "val/self_certainty")
+    assert isinstance(module, IntuitorModule) and module.summary_keys[:4] == ("train/self_certainty", "train/kl", "val/accuracy", "val/accuracy_stderr")
     datamodule = objects.datamodule
     datamodule.setup("fit")
     held_out = next(iter(datamodule.val_dataloader()))
@@ -73,7 +73,7 @@ def test_recipe_warm_starts_validates_first_and_caches(tmp_path: Path) -> None:
     first_kl = [float(r["train/kl"]) for r in rows if r.get("train/kl")][0]
     assert first_kl < 1e-6, first_kl  # the reference is the warm-started policy
     assert "val/accuracy" in first.stdout
-    assert all(r.get("val/accuracy_stderr") for r in rows if r.get("val/accuracy"))
+    assert all(r.get("val/accuracy_stderr") and r.get("val/accuracy_greedy") for r in rows if r.get("val/accuracy"))
 
     second = run_cli(args, cwd=tmp_path, timeout=240)
     assert second.returncode == 0, second.stderr[-3000:]

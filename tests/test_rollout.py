@@ -73,6 +73,20 @@ def test_generate_layout_and_seed(micro):
     assert rollout.response_lengths.min() >= 1
 
 
+def test_greedy_generate_takes_the_argmax_at_every_step(micro):
+    _, model, tok = micro
+    rollout = generate(model, ["12+3=", "ab"], tokenizer=tok, max_new_tokens=5, greedy=True, eos_token_id=-1)
+    ids, attn = rollout.input_ids[:, : rollout.prompt_length], rollout.attention_mask[:, : rollout.prompt_length]
+    with torch.no_grad():  # the plain loop: full forward, argmax, append
+        for _ in range(5):
+            logits = model(ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+    assert torch.equal(rollout.input_ids, ids)
+    with pytest.raises(ValueError, match="num_samples must be 1"):
+        generate(model, ["ab"], tokenizer=tok, num_samples=2, greedy=True)
+
+
 def test_generate_masks_after_first_eos():
     torch.manual_seed(0)
     config = _config(vocab_size=6)  # EOS (id 1) is likely at every step

@@ -139,6 +139,8 @@ class CRSPModule(pl.LightningModule):
         val_solver_samples: answers sampled per held-out task in validation (``val/solve_rate`` is
             their mean: pass@1 at the sampling temperature; ``val/solve_rate_stderr`` its standard error
             over tasks).
+        val_greedy: also solve each held-out task by greedy decoding (``val/solve_rate_greedy``): how far
+            sharpening the sampled answers towards the policy's mode could take ``val/solve_rate``.
         prompt_style: ``"instruct"`` (each role prompt says what to write, code in fenced blocks: for real
             checkpoints) or ``"compact"`` (a role tag and the bare program, a third of the bytes: for a tiny
             model that learns the protocol in its warm start).
@@ -158,7 +160,8 @@ class CRSPModule(pl.LightningModule):
 
     summary_keys = ("train/reward_propose", "train/reward_solve", "train/reward_critique", "train/solve_rate",
                     "train/proposal_valid_rate", "train/sandbox_cache_hit_rate", "val/solve_rate",
-                    "val/solve_rate_stderr", "val/proposal_valid_rate")
+                    "val/solve_rate_stderr", "val/solve_rate_greedy", "val/solve_rate_greedy_stderr",
+                    "val/proposal_valid_rate")
 
     def __init__(
         self,
@@ -199,6 +202,7 @@ class CRSPModule(pl.LightningModule):
         seed: int = 0,
         warm_start: dict[str, Any] | WarmStart | None = None,
         val_solver_samples: int = 1,
+        val_greedy: bool = False,
         prompt_style: str = "instruct",
     ) -> None:
         super().__init__()
@@ -245,6 +249,7 @@ class CRSPModule(pl.LightningModule):
                                 "critique": float(weight_critique)}
         self.sandbox: Sandbox | None = None
         self.val_solve_rate = MeanAndStderr()  # over held-out tasks, whose sampled answers are not independent
+        self.val_solve_rate_greedy = MeanAndStderr()
 
     # ------------------------------------------------------------------------------ set-up
     def _add_role_adapters(self) -> None:
@@ -312,11 +317,11 @@ class CRSPModule(pl.LightningModule):
                            stream=f"crsp/{stream}/{role}" if stream else f"crsp/{role}")
 
     def _generate(self, role: str, prompts: list[str], num_samples: int, max_new_tokens: int,
-                  stream: str = "") -> tuple[Rollout, list[str]]:
+                  stream: str = "", greedy: bool = False) -> tuple[Rollout, list[str]]:
         with self._role(role):
             rollout = generate(self.model, prompts, tokenizer=self.tokenizer, num_samples=num_samples,
                                max_new_tokens=max_new_tokens, temperature=self.hparams.temperature,
-                               seed=self._seed(role, stream))
+                               seed=self._seed(role, stream), greedy=greedy)
         return rollout, rollout.decode_responses(self.tokenizer)
 
     def _total_steps(self) -> int:
@@ -552,6 +557,14 @@ class CRSPModule(pl.LightningModule):
             task.answers = texts[i * n:(i + 1) * n]
         self._check_answers(tasks)
         self.val_solve_rate.update(torch.tensor([sum(t.correct) / n for t in tasks], device=self.device))
+        if self.hparams.get("val_greedy", False):
+            greedy_tasks = [_Task(t.program, t.inputs, t.outputs, "output", "bank") for t in tasks]
+            _, texts = self._generate("solve", [_solve_prompt(t, self._style) for t in greedy_tasks], 1,
+                                      int(self.hparams.max_new_tokens_solve), greedy=True)
+            for task, text in zip(greedy_tasks, texts):
+                task.answers = [text]
+            self._check_answers(greedy_tasks)
+            self.val_solve_rate_greedy.update(torch.tensor([float(t.correct[0]) for t in greedy_tasks], device=self.device))
         _, _, proposals, _ = self._propose(batch, stream=f"val/{batch_idx}")
         valid = sum(p is not None for p in proposals) / len(batch)
         self.log("val/proposal_valid_rate", torch.tensor(valid, device=self.device), batch_size=len(batch),
@@ -560,6 +573,7 @@ class CRSPModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         """``val/solve_rate`` over every rank's held-out tasks, with its standard error over tasks."""
         self.val_solve_rate.log_and_reset(self, "val/solve_rate")
+        self.val_solve_rate_greedy.log_and_reset(self, "val/solve_rate_greedy")
 
     # ------------------------------------------------------------------------------ warm start
     def warm_start_examples(self, count: int, seed: int) -> list[tuple[str, str]]:

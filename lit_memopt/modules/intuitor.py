@@ -83,6 +83,8 @@ class IntuitorModule(pl.LightningModule):
         warm_start: a supervised warm start on the datamodule's task family before RL
             (:class:`lit_memopt.modules.warm_start.WarmStart` or its fields as a mapping; ``None``: off).
             The reference policy is the warm-started one.
+        val_greedy: also answer each held-out prompt by greedy decoding (``val/accuracy_greedy``): how far
+            sharpening the sampled answers towards the policy's mode could take ``val/accuracy``.
 
     Raises:
         ValueError: on an out-of-range hyper-parameter, or ``accuracy_weight > 0`` without a checker
@@ -100,7 +102,8 @@ class IntuitorModule(pl.LightningModule):
     # Responses are sampled until end-of-sequence: `lit-memopt estimate` sizes the worst case (all at max_new_tokens).
     generates_until_eos = True
 
-    summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/accuracy_stderr", "val/self_certainty")
+    summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/accuracy_stderr", "val/accuracy_greedy",
+                    "val/accuracy_greedy_stderr", "val/self_certainty")
 
     def __init__(
         self,
@@ -124,6 +127,7 @@ class IntuitorModule(pl.LightningModule):
         seed: int = 0,
         checker: Callable[[str, str], float] | None = None,
         warm_start: dict[str, Any] | WarmStart | None = None,
+        val_greedy: bool = False,
     ) -> None:
         super().__init__()
         self.warm_start = WarmStart.from_any(warm_start)
@@ -146,6 +150,7 @@ class IntuitorModule(pl.LightningModule):
         self.checker = checker
         self.model = model_config.build_model()
         self.val_accuracy = MeanAndStderr()  # over held-out prompts
+        self.val_accuracy_greedy = MeanAndStderr()
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference: torch.nn.Module | None = None
@@ -309,10 +314,16 @@ class IntuitorModule(pl.LightningModule):
         accuracy = self._accuracy(batch, rollout)
         if accuracy is not None:
             self.val_accuracy.update(accuracy.view(num_prompts, -1).mean(dim=-1))
+            if self.hparams.get("val_greedy", False):
+                greedy = generate(self.model, batch["input_ids"], tokenizer=self.tokenizer,
+                                  attention_mask=batch.get("attention_mask"), max_new_tokens=self.hparams.max_new_tokens,
+                                  greedy=True)
+                self.val_accuracy_greedy.update(self._accuracy(batch, greedy))
 
     def on_validation_epoch_end(self) -> None:
         """``val/accuracy`` over every rank's held-out prompts, with its standard error over prompts."""
         self.val_accuracy.log_and_reset(self, "val/accuracy")
+        self.val_accuracy_greedy.log_and_reset(self, "val/accuracy_greedy")
 
     def configure_model(self) -> None:
         """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""

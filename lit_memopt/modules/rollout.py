@@ -159,6 +159,7 @@ def generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    greedy: bool = False,
 ) -> Rollout:
     """Sample ``num_samples`` responses per prompt with transformers' KV-cached ``generate``, no grad.
 
@@ -182,13 +183,15 @@ def generate(
         generator: alternative to ``seed``: a seed is drawn from it (advancing it).
         eos_token_id: stop token (default: tokenizer's, then the model config's).
         pad_token_id: padding id (default: tokenizer's, then the model config's, then EOS).
+        greedy: the most likely token at each step instead of a sample (``temperature`` and ``top_p`` do not
+            apply; ``num_samples`` must be 1): an evaluation of the policy's mode, not on-policy data.
 
     Returns:
         A :class:`Rollout`.
 
     Raises:
-        ValueError: on a bad ``num_samples``, ``max_new_tokens``, ``temperature`` or ``top_p``, or
-            text prompts without a tokenizer.
+        ValueError: on a bad ``num_samples``, ``max_new_tokens``, ``temperature`` or ``top_p``, text
+            prompts without a tokenizer, or ``greedy`` with ``num_samples > 1``.
 
     Example::
 
@@ -205,6 +208,8 @@ def generate(
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator to generate(), not both.")
+    if greedy and int(num_samples) != 1:
+        raise ValueError(f"greedy decoding gives one response per prompt: num_samples must be 1, got {num_samples!r}.")
 
     device = _model_device(model)
     eos_id = _special_id("eos_token_id", eos_token_id, tokenizer, model)
@@ -239,10 +244,8 @@ def generate(
         sequences = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            do_sample=True,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=0,
+            **({"do_sample": False} if greedy else
+               {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}),
             max_new_tokens=int(max_new_tokens),
             num_return_sequences=int(num_samples),
             eos_token_id=eos_id,
