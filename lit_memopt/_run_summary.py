@@ -9,6 +9,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lit_memopt.modules._heldout import STDERR_SUFFIX  # "<key>_stderr" is printed with "<key>" as "value ± error"
+
 
 def _scalar(value: Any) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -16,10 +18,6 @@ def _scalar(value: Any) -> float | None:
     if isinstance(value, (int, float)) and math.isfinite(float(value)):
         return float(value)
     return None
-
-
-# A metric logged as "<key>_stderr" next to "<key>" (its standard error) is printed as "value ± error".
-STDERR_SUFFIX = "_stderr"
 
 
 class RunSummary(pl.Callback):

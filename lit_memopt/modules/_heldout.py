@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
+# The standard error of "<name>" is logged as "<name>_stderr" (the run summary prints the two together).
+STDERR_SUFFIX = "_stderr"
+
 
 class MeanAndStderr(torch.nn.Module):
     """Mean of per-unit values and its standard error ``sqrt(sample variance / n)``, over every rank.
@@ -57,14 +60,14 @@ class MeanAndStderr(torch.nn.Module):
         return mean, (variance / n).sqrt()
 
     def log_and_reset(self, module: Any, name: str) -> None:
-        """Log ``name`` and ``name + "_stderr"`` through ``module.log`` (if any unit was added), then reset.
+        """Log ``name`` and ``name + STDERR_SUFFIX`` through ``module.log`` (if any unit was added), then reset.
 
         Call it from ``on_validation_epoch_end`` on every rank: ``compute`` gathers the ranks.
         """
         if self.updated:
             mean, stderr = self.compute()
             module.log(name, mean, sync_dist=True)  # already global: syncing averages equal values
-            module.log(name + "_stderr", stderr, sync_dist=True)
+            module.log(name + STDERR_SUFFIX, stderr, sync_dist=True)
         self.reset()
 
     def reset(self) -> None:

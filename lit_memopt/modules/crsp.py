@@ -551,24 +551,22 @@ class CRSPModule(pl.LightningModule):
         verdicts = sandbox.run_many([(batch_call_program(t.program, t.inputs), "") for t in batch])
         tasks = [_Task(t.program, list(t.inputs), _split_list_repr(v.stdout.strip(), len(t.inputs)) or [""], "output", "bank")
                  for t, v in zip(batch, verdicts)]
-        _, texts = self._generate("solve", [_solve_prompt(t, self._style) for t in tasks], n, int(self.hparams.max_new_tokens_solve),
-                                  stream=f"val/{batch_idx}")
-        for i, task in enumerate(tasks):
-            task.answers = texts[i * n:(i + 1) * n]
-        self._check_answers(tasks)
-        self.val_solve_rate.update(torch.tensor([sum(t.correct) / n for t in tasks], device=self.device))
+        self.val_solve_rate.update(self._held_out_solve_rates(tasks, n, stream=f"val/{batch_idx}"))
         if self.hparams.get("val_greedy", False):
-            greedy_tasks = [_Task(t.program, t.inputs, t.outputs, "output", "bank") for t in tasks]
-            _, texts = self._generate("solve", [_solve_prompt(t, self._style) for t in greedy_tasks], 1,
-                                      int(self.hparams.max_new_tokens_solve), greedy=True)
-            for task, text in zip(greedy_tasks, texts):
-                task.answers = [text]
-            self._check_answers(greedy_tasks)
-            self.val_solve_rate_greedy.update(torch.tensor([float(t.correct[0]) for t in greedy_tasks], device=self.device))
+            self.val_solve_rate_greedy.update(self._held_out_solve_rates(tasks, 1, stream=f"val/{batch_idx}", greedy=True))
         _, _, proposals, _ = self._propose(batch, stream=f"val/{batch_idx}")
         valid = sum(p is not None for p in proposals) / len(batch)
         self.log("val/proposal_valid_rate", torch.tensor(valid, device=self.device), batch_size=len(batch),
                  sync_dist=True)
+
+    def _held_out_solve_rates(self, tasks: list[_Task], n: int, stream: str, greedy: bool = False) -> torch.Tensor:
+        """Each task's share of right answers among ``n`` sampled ones (or its one greedy answer); sets their answers."""
+        _, texts = self._generate("solve", [_solve_prompt(t, self._style) for t in tasks], n,
+                                  int(self.hparams.max_new_tokens_solve), stream=stream, greedy=greedy)
+        for i, task in enumerate(tasks):
+            task.answers = texts[i * n:(i + 1) * n]
+        self._check_answers(tasks)
+        return torch.tensor([sum(t.correct) / n for t in tasks], device=self.device)
 
     def on_validation_epoch_end(self) -> None:
         """``val/solve_rate`` over every rank's held-out tasks, with its standard error over tasks."""

@@ -181,7 +181,7 @@ class IntuitorModule(pl.LightningModule):
         return derive_seed(self.hparams.seed, rank=self.global_rank, step=self.global_step, index=batch_idx,
                            stream="intuitor/rollout")
 
-    def _rollout(self, batch: dict[str, Any], num_samples: int, seed: int) -> Rollout:
+    def _rollout(self, batch: dict[str, Any], num_samples: int, seed: int | None, greedy: bool = False) -> Rollout:
         return generate(
             self.model,
             batch["input_ids"],
@@ -192,6 +192,7 @@ class IntuitorModule(pl.LightningModule):
             temperature=self.hparams.temperature,
             top_p=self.hparams.top_p,
             seed=seed,
+            greedy=greedy,
         )
 
     def _accuracy(self, batch: dict[str, Any], rollout: Rollout) -> torch.Tensor | None:
@@ -315,10 +316,7 @@ class IntuitorModule(pl.LightningModule):
         if accuracy is not None:
             self.val_accuracy.update(accuracy.view(num_prompts, -1).mean(dim=-1))
             if self.hparams.get("val_greedy", False):
-                greedy = generate(self.model, batch["input_ids"], tokenizer=self.tokenizer,
-                                  attention_mask=batch.get("attention_mask"), max_new_tokens=self.hparams.max_new_tokens,
-                                  greedy=True)
-                self.val_accuracy_greedy.update(self._accuracy(batch, greedy))
+                self.val_accuracy_greedy.update(self._accuracy(batch, self._rollout(batch, 1, seed=None, greedy=True)))
 
     def on_validation_epoch_end(self) -> None:
         """``val/accuracy`` over every rank's held-out prompts, with its standard error over prompts."""
