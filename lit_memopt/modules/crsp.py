@@ -212,9 +212,8 @@ class CRSPModule(pl.LightningModule):
         if self.warm_start.steps and getattr(model_config, "lora", None) is not None:
             raise ValueError("module.warm_start trains the whole policy, but with model.lora the reference is the "
                              "untrained base under disable_adapter(): set model.lora=null, or module.warm_start.steps=0.")
-        for name, value in (("beta_propose", beta_propose), ("beta_solve", beta_solve), ("beta_critique", beta_critique)):
-            _check(value >= 0, name, value, ">= 0")
-        for name, value in (("weight_propose", weight_propose), ("weight_solve", weight_solve),
+        for name, value in (("beta_propose", beta_propose), ("beta_solve", beta_solve), ("beta_critique", beta_critique),
+                            ("weight_propose", weight_propose), ("weight_solve", weight_solve),
                             ("weight_critique", weight_critique)):
             _check(value >= 0, name, value, ">= 0")
         _check(lr > 0, "lr", lr, "> 0")
