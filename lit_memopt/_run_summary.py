@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_memopt.modules._heldout import STDERR_SUFFIX  # "<key>_stderr" is printed with "<key>" as "value ± error"
+from lit_memopt.modules.heldout import STDERR_SUFFIX  # "<key>_stderr" is printed with "<key>" as "value ± error"
 
 
 def _scalar(value: Any) -> float | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lit_memopt._run_summary import print_summary
-from lit_memopt.modules._heldout import MeanAndStderr
+from lit_memopt.modules.heldout import MeanAndStderr
 
 from _ranks import free_port, run_ranks
 

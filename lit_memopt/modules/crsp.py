@@ -55,7 +55,7 @@ from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
 from lit_memopt.models.adapters import active_adapter
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
-from lit_memopt.modules._heldout import MeanAndStderr
+from lit_memopt.modules.heldout import MeanAndStderr
 from lit_memopt.seeding import derive_seed
 
 __all__ = ["CRSPModule", "warm_start_pairs", "parse_proposal", "parse_answer", "parse_program", "parse_judgement"]

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lit_memopt.models.hf import ModelConfig, decoder_outputs, lm_head_weight
-from lit_memopt.modules._heldout import MeanAndStderr
+from lit_memopt.modules.heldout import MeanAndStderr
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.rollout import is_peft_model, position_ids_from_mask
 from lit_memopt.ops import linear_kl, soft_embedding, topk_gumbel_softmax

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memopt.models import lm_head_weight
-from lit_memopt.modules._heldout import MeanAndStderr
+from lit_memopt.modules.heldout import MeanAndStderr
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.seeding import derive_seed
