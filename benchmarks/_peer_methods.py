@@ -89,8 +89,9 @@ def _load_liger_flce() -> dict[str, Any]:
     module = importlib.import_module("liger_kernel.ops.fused_linear_cross_entropy")
     function = module.LigerFusedLinearCrossEntropyFunction
     # Its kernels are Triton: importable with triton installed, but they need a GPU driver to run.
-    probe = torch.zeros(2, 2, requires_grad=True)
-    function.apply(probe, torch.zeros(3, 2), torch.zeros(2, dtype=torch.long))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    probe = torch.zeros(2, 2, requires_grad=True, device=device)
+    function.apply(probe, torch.zeros(3, 2, device=device), torch.zeros(2, dtype=torch.long, device=device))
     return {"function": function}
 
 
@@ -192,8 +193,12 @@ class Method:
     grads_in_forward: bool = False
 
 
-def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer]) -> tuple[list[Method], list[dict[str, str]]]:
-    """The methods that compute ``op`` here, and the peers that could not (name, reason)."""
+def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer], device: str = "cpu") -> tuple[list[Method], list[dict[str, str]]]:
+    """The methods that compute ``op`` on ``device``, and the peers that could not (name, reason).
+
+    Cut Cross-Entropy runs its Triton kernel (``impl="cce"``, its default) on CUDA and its
+    ``torch_compile`` implementation elsewhere (its kernel needs a GPU)."""
+    cce_impl = "cce" if device == "cuda" else "torch_compile"
     lit = [(LIT_EXACT, "exact")] + ([(LIT_FAST, "fast")] if dtype in (torch.bfloat16, torch.float16) else [])
     methods: list[Method] = []
     absent: list[dict[str, str]] = []
@@ -215,11 +220,13 @@ def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer]) -> tuple[li
         peer_method("torch chunked", "torch F.linear_cross_entropy (chunked)", lambda api: (
             lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): (
                 -lce(x["hidden"], x["weight"], x["targets"], reduction="none", options=opts),)))
-        peer_method("Cut Cross-Entropy", "Cut Cross-Entropy (torch_compile)", lambda api: (
+        peer_method("Cut Cross-Entropy", f"Cut Cross-Entropy ({cce_impl})", lambda api: (
             lambda x, lce=api["linear_cross_entropy"]: (
-                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", impl="torch_compile"),)))
+                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", impl=cce_impl),)))
+        # Positional (autograd Functions take no keywords): bias, ce_weight, ignore_index, lse_square_scale,
+        # label_smoothing, reduction; the first output is the per-token loss.
         peer_method("Liger fused linear CE", "Liger fused linear CE", lambda api: (
-            lambda x, fn=api["function"]: (-fn.apply(x["hidden"], x["weight"], x["targets"]),)))
+            lambda x, fn=api["function"]: (-fn.apply(x["hidden"], x["weight"], x["targets"], None, None, -100, 0.0, 0.0, "none")[0],)))
         peer_method("TRL full logits", "TRL selective_log_softmax", lambda api: (
             lambda x, sls=api["selective_log_softmax"]: (sls(x["hidden"] @ x["weight"].t(), x["targets"]),)))
         peer_method("TRL chunked", "TRL ChunkedLogProbFunction", lambda api: (

@@ -121,7 +121,9 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Predicted peak memory of one training step, per recipe at real scale",
         "",
-        f"torch {result['torch']}, {result['platform']}. `lit-memopt estimate` machinery: fake tensors and PyTorch's "
+        f"torch {result['torch']}, {result['platform']}"
+        + (f", measured on {result['gpu']} (`torch.cuda.max_memory_allocated` of the same step with real weights)" if result.get("gpu") else "")
+        + ". `lit-memopt estimate` machinery: fake tensors and PyTorch's "
         "MemTracker; optimizer states exist before the step (steady state), foreach optimizer as on CUDA.",
         "",
         "| recipe | batch | predicted peak | params | grads | optimizer | activations | temporaries | peak during | measured | s |",
@@ -156,6 +158,7 @@ def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
         "torch": torch.__version__,
         "platform": platform.platform(),
         "device": device,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "estimates": estimates,
     }
     result["report_rows"] = report_rows(estimates)

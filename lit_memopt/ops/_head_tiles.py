@@ -7,9 +7,10 @@ logits tile with ``logit_scale``, ``final_logit_softcapping`` and ``temperature`
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -258,6 +259,52 @@ class LogitTransform:
 
 
 # --------------------------------------------------------------------------------------------
+# low-precision operands into fp32 results (CUDA)
+# --------------------------------------------------------------------------------------------
+
+# Whether this torch writes ``mm``/``addmm`` with ``out_dtype`` straight into an fp32 ``out=``
+# (no temporary, no copy); learnt at the first call and kept. Older builds only return a new tensor.
+_FP32_OUT_IN_PLACE: dict[str, bool] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_fp32_products() -> bool:
+    """Whether this torch multiplies bf16/fp16 operands into fp32 results (``mm(..., out_dtype=)``, torch >= 2.9).
+
+    Without it ``"fast"`` on CUDA rounds each logits tile to the inputs' dtype, as on the CPU."""
+    a = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _in_place(kind: str, direct: Callable[[], object], fallback: Callable[[], object]) -> None:
+    if _FP32_OUT_IN_PLACE.get(kind, True):
+        try:
+            direct()
+            _FP32_OUT_IN_PLACE[kind] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if kind in _FP32_OUT_IN_PLACE:  # it worked before: this failure is a real one
+                raise
+            _FP32_OUT_IN_PLACE[kind] = False
+    fallback()
+
+
+def mm_fp32(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """``out = a @ b`` for bf16/fp16 ``a``, ``b`` and fp32 ``out``, accumulated in fp32 (tensor cores)."""
+    _in_place("mm", lambda: torch.mm(a, b, out_dtype=torch.float32, out=out),
+              lambda: out.copy_(torch.mm(a, b, out_dtype=torch.float32)))
+
+
+def addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` for bf16/fp16 ``a``, ``b`` and an fp32 accumulator, without rounding the product."""
+    _in_place("addmm", lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
+              lambda: acc.add_(torch.mm(a, b, out_dtype=torch.float32)))
+
+
+# --------------------------------------------------------------------------------------------
 # tiles
 # --------------------------------------------------------------------------------------------
 
@@ -292,7 +339,7 @@ class TileMath:
         self.logits_capacity = min(row_tile, max(rows, 1)) * min(vocab_tile, vocab)
         self.fast = matmul_dtype != stat_dtype
         # CUDA multiplies bf16/fp16 operands into fp32 outputs directly (tensor cores, fp32 accumulation).
-        self.fp32_out = self.fast and device.type == "cuda"
+        self.fp32_out = self.fast and device.type == "cuda" and cuda_fp32_products()
 
     def operand(self, name: str, src: Tensor, capacity_rows: int) -> Tensor:
         """``src`` in the matmul dtype; a view (no copy) when it already is."""
@@ -311,7 +358,7 @@ class TileMath:
         if not self.fast:
             torch.mm(h, w.t(), out=out)
         elif self.fp32_out:
-            out.copy_(torch.mm(h, w.t(), out_dtype=torch.float32))
+            mm_fp32(h, w.t(), out)
         else:
             low = self.ws.get(name + "_low", rows, cols, self.logits_capacity, self.matmul_dtype)
             out.copy_(torch.mm(h, w.t(), out=low))
@@ -335,9 +382,12 @@ class TileMath:
                 acc.addmm_(a, b)
             return
         if self.fp32_out:
-            product = torch.mm(a, b, out_dtype=torch.float32)
-        else:
-            product = torch.mm(a, b, out=self.ws.get(name, acc.shape[0], acc.shape[1], acc.numel(), self.matmul_dtype))
+            if overwrite:
+                mm_fp32(a, b, acc)
+            else:
+                addmm_fp32_(acc, a, b)
+            return
+        product = torch.mm(a, b, out=self.ws.get(name, acc.shape[0], acc.shape[1], acc.numel(), self.matmul_dtype))
         if overwrite:
             acc.copy_(product)
         else:

@@ -1,0 +1,213 @@
+"""The fused LM-head ops beside the peers on a CUDA GPU: time, exactness and real peak memory.
+
+The CPU benchmark (``benchmarks/peers.py``) times one thread and sizes memory with fake tensors; here
+every method runs on the GPU, as its users run it:
+
+* **time**: forward+backward, ``torch.cuda.synchronize`` around each step, every repetition running every
+  method once (order rotated); the median of the per-repetition ratios against the naive path;
+* **exactness**: max abs error of values and gradients against the naive maths in float64 on the same
+  (rounded) inputs, at the time shape;
+* **memory**: ``torch.cuda.max_memory_allocated`` during the step, beyond the inputs and their gradients.
+
+Shapes: the issue's N=2048, H=512, V=32000 (fp32 and bf16), and a Qwen3-4B head at 8192 tokens
+(N=8192, H=2560, V=151936, bf16). Cut Cross-Entropy runs its Triton kernel (``impl="cce"``), Liger its
+Triton fused linear cross-entropy and its chunked GRPO loss. Writes ``results/peers_cuda_<gpu>.{md,json}``.
+Run ``python -m benchmarks.peers_cuda [--quick]`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from benchmarks._peer_measure import exactness, paired_ratio
+from benchmarks._peer_methods import (
+    FAKE_MEMORY_SHAPE,
+    LIT_EXACT,
+    LIT_FAST,
+    NAIVE,
+    OPS,
+    SEQUENCE_LENGTH,
+    TIME_SHAPE,
+    Inputs,
+    Method,
+    _clear_grads,
+    add_grpo_logps,
+    make_inputs,
+    methods_for,
+    objective,
+)
+from benchmarks._results import write_results
+from benchmarks.peers import load_peers
+
+BIG_SHAPE = FAKE_MEMORY_SHAPE  # Qwen3-4B head, 8192 tokens
+REPS, BIG_REPS = 20, 8
+
+
+def on_device(x: Inputs, device: torch.device) -> Inputs:
+    """The inputs on ``device``; ``hidden`` and ``weight`` as fresh leaves."""
+    return {k: (t.detach().to(device).requires_grad_() if k in ("hidden", "weight") else t.to(device)) for k, t in x.items()}
+
+
+def inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> Inputs:
+    x = on_device(make_inputs(shape, dtype, sequence_length=SEQUENCE_LENGTH), device)
+    add_grpo_logps(x, SEQUENCE_LENGTH)
+    return x
+
+
+def _step(m: Method, x: Inputs) -> float:
+    _clear_grads(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    objective(m.fn(x), x).backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def timed(methods: list[Method], x: Inputs, reps: int) -> dict[str, list[float]]:
+    for m in methods:  # warm-up: Triton autotuning, torch.compile, the allocator
+        _step(m, x)
+        _step(m, x)
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    for rep in range(reps):
+        k = rep % len(methods)
+        for m in methods[k:] + methods[:k]:
+            times[m.name].append(_step(m, x))
+    _clear_grads(x)
+    return times
+
+
+def peak_extra(m: Method, x: Inputs) -> int:
+    """Peak bytes the step allocates beyond the inputs and their gradients."""
+    _clear_grads(x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    objective(m.fn(x), x).backward()
+    torch.cuda.synchronize()
+    grads = sum(x[k].numel() * x[k].element_size() for k in ("hidden", "weight"))
+    extra = torch.cuda.max_memory_allocated() - before - grads
+    _clear_grads(x)
+    return int(extra)
+
+
+def runnable(methods: list[Method], x: Inputs, absent: list[dict[str, str]]) -> list[Method]:
+    """The methods whose step runs at this shape (a failing peer is reported with its error)."""
+    ok = []
+    for m in methods:
+        try:
+            _step(m, x)
+            ok.append(m)
+        except Exception as exc:  # noqa: BLE001 - reported, never faked
+            absent.append({"peer": m.peer or m.name, "method": m.name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]})
+            torch.cuda.empty_cache()
+    _clear_grads(x)
+    return ok
+
+
+def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers: dict, *, exact: bool, memory: bool,
+            device: str = "cuda") -> dict[str, Any]:
+    methods, absent = methods_for(op, dtype, peers, device=device)
+    x = inputs(shape, dtype, torch.device(device))
+    errors = exactness(methods, x) if exact else {}
+    methods = [m for m in methods if "error" not in errors.get(m.name, {})]
+    absent += [{"peer": n, "method": n, "error": e["error"]} for n, e in errors.items() if "error" in e]
+    methods = runnable(methods, x, absent)
+    times = timed(methods, x, reps)
+    rows = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m.name, "peer": m.peer, **errors.get(m.name, {}),
+                               "median_ms": 1e3 * statistics.median(times[m.name]),
+                               "ratio_vs_naive": paired_ratio(times, m.name, NAIVE)}
+        if memory:
+            row["extra_bytes"] = peak_extra(m, x)
+        rows.append(row)
+    del x
+    torch.cuda.empty_cache()
+    return {"op": op, "dtype": str(dtype).replace("torch.", ""), "shape": shape, "reps": reps, "rows": rows,
+            "absent": absent, "times": times, "reference_scale": errors.get("_reference_scale")}
+
+
+def _fmt_bytes(n: Optional[int]) -> str:
+    return "—" if n is None else (f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 10 else f"{n / 2**20:.1f} MiB")
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Fused LM-head ops vs the peers on {result['gpu']}", "",
+             f"torch {result['torch']}, triton {result['triton']}. Command: `{result['command']}`. "
+             "Forward+backward of each method; times are medians of interleaved repetitions (CUDA-synchronised), "
+             "ratios the median of per-repetition ratios against the naive path in the same repetition; memory is "
+             "`torch.cuda.max_memory_allocated` during one step beyond the inputs and their gradients.", "",
+             "Peers: " + "; ".join(f"{p['name']} ({p['package']} {p['version']}): " + ("available" if not p["error"] else f"**absent** — `{p['error']}`")
+                                   for p in result["peers"]), ""]
+    for c in result["cases"]:
+        s = c["shape"]
+        lines += [f"## {c['op']} · {c['dtype']} · N={s['tokens']}, H={s['hidden']}, V={s['vocab']} ({c['reps']} repetitions)", ""]
+        lines += ["| method | median ms | vs naive | vs fastest peer | value err | grad hidden err | grad weight err | extra memory |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        peer_rows = [r for r in c["rows"] if r.get("peer")]
+        fastest = min(peer_rows, key=lambda r: r["ratio_vs_naive"]) if peer_rows else None
+        for r in c["rows"]:
+            vs_peer = f"{paired_ratio(c['times'], r['method'], fastest['method']):.2f}x" if fastest else "—"
+            errs = [f"{r[k]:.2e}" if k in r else "—" for k in ("value_err", "grad_hidden_err", "grad_weight_err")]
+            lines.append(f"| {r['method']} | {r['median_ms']:.2f} | {r['ratio_vs_naive']:.2f}x | {vs_peer} | "
+                         + " | ".join(errs) + f" | {_fmt_bytes(r.get('extra_bytes'))} |")
+        for a in c["absent"]:
+            lines.append(f"\n{a['method']}: absent here — `{a['error']}`")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/peers_cuda.py needs a CUDA device; on the CPU run benchmarks/peers.py")
+    peers = load_peers()
+    import importlib.metadata as md
+
+    try:
+        triton_version = md.version("triton")
+    except md.PackageNotFoundError:
+        triton_version = None
+    result: dict[str, Any] = {
+        "benchmark": "peers_cuda", "quick": quick, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton_version, "command": "python -m benchmarks.peers_cuda" + (" --quick" if quick else ""),
+        "peers": [{"name": p.name, "package": p.package, "version": p.version, "error": p.error} for p in peers.values()],
+        "cases": [],
+    }
+    plan = [(op, dt, TIME_SHAPE, REPS, True, True) for dt in (torch.float32, torch.bfloat16) for op in OPS]
+    if not quick:
+        plan += [(op, torch.bfloat16, BIG_SHAPE, BIG_REPS, False, True) for op in OPS]
+    for op, dtype, shape, reps, exact, memory in plan:
+        print(f"[peers_cuda] {op} {dtype} {shape}", flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                result["cases"].append(compare(op, dtype, shape, reps, peers, exact=exact, memory=memory))
+            except torch.OutOfMemoryError as exc:
+                print(f"[peers_cuda] {op} {dtype} {shape}: out of memory ({exc})".splitlines()[0], flush=True)
+                torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the small shape")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    gpu = re.sub(r"[^a-z0-9]+", "_", result["gpu"].lower()).strip("_")
+    written = write_results(f"peers_cuda_{gpu}" + ("_quick" if args.quick else ""), result, to_markdown(result))
+    print(to_markdown(result))
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
