@@ -91,6 +91,16 @@ class StepTracker(MemTracker):
         # Set when memory was added since the last peak update (see __torch_dispatch__).
         self._grew = True
         self._last_phase: str | None = None
+        self._entry_fake_mode: Any = None  # set by __enter__
+
+    def __enter__(self) -> "StepTracker":
+        # The fake mode the tracker is entered in: only its ops count (DTensor's shape propagation runs
+        # under a nested one), and under fake tensors seeded draws lose their generator (see below).
+        # torch >= 2.12's MemTracker records this itself; older ones (2.11) do not, so it is kept here.
+        if self._depth == 0:
+            self._entry_fake_mode = active_fake_mode()
+        super().__enter__()
+        return self
 
     # ------------------------------------------------------------------ allocation log
     def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None) -> None:
@@ -131,7 +141,7 @@ class StepTracker(MemTracker):
             return func(*args, **(kwargs or {}))
         # Fake tensors cannot draw from an explicit torch.Generator (e.g. seeded Gumbel noise);
         # random values are irrelevant to memory, so such draws use the default generator.
-        if kwargs and kwargs.get("generator") is not None and self._fake_mode_on_entry is not None:
+        if kwargs and kwargs.get("generator") is not None and self._entry_fake_mode is not None:
             kwargs = {**kwargs, "generator": None}
         if func is _WAIT_TENSOR or any(t is DTensor for t in types):
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -140,7 +150,7 @@ class StepTracker(MemTracker):
         # only ops of the fake mode the tracker was entered in count (DTensor's shape propagation runs
         # under a nested one).
         res = func(*args, **(kwargs or {}))
-        if active_fake_mode() is self._fake_mode_on_entry:
+        if active_fake_mode() is self._entry_fake_mode:
             is_bw = self._mod_tracker.is_bw
             reftype = _MemRefType.OPT if self._in_opt else _MemRefType.TEMP if is_bw and not self._in_ac else _MemRefType.ACT
             if isinstance(res, torch.Tensor):
