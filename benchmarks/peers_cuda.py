@@ -10,7 +10,8 @@ every method runs on the GPU, as its users run it:
 * **memory**: ``torch.cuda.max_memory_allocated`` during the step, beyond the inputs and their gradients.
 
 Shapes: the issue's N=2048, H=512, V=32000 (fp32 and bf16), and a Qwen3-4B head at 8192 tokens
-(N=8192, H=2560, V=151936, bf16). Cut Cross-Entropy runs its Triton kernel (``impl="cce"``), Liger its
+(N=8192, H=2560, V=151936, bf16). lit-memopt's tile maths run as compiled kernels on CUDA (its default); the
+``"fast", eager tiles`` row is the same op with ``LIT_MEMOPT_FUSED_TILES=0``. Cut Cross-Entropy runs its Triton kernel (``impl="cce"``), Liger its
 Triton fused linear cross-entropy and its chunked GRPO loss. Writes ``results/peers_cuda_<gpu>.{md,json}``.
 Run ``python -m benchmarks.peers_cuda [--quick]`` on a GPU machine.
 """
@@ -18,6 +19,7 @@ Run ``python -m benchmarks.peers_cuda [--quick]`` on a GPU machine.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import time
@@ -112,9 +114,30 @@ def runnable(methods: list[Method], x: Inputs, absent: list[dict[str, str]]) -> 
     return ok
 
 
+LIT_FAST_EAGER = 'lit-memopt "fast", eager tiles'
+
+
+def _with_eager_tiles(method: Method) -> Method:
+    """``method`` with the tile maths as eager ops (``LIT_MEMOPT_FUSED_TILES=0``; the choice is made at the forward)."""
+    def fn(x: Inputs) -> Any:
+        before = os.environ.get("LIT_MEMOPT_FUSED_TILES")
+        os.environ["LIT_MEMOPT_FUSED_TILES"] = "0"
+        try:
+            return method.fn(x)
+        finally:
+            if before is None:
+                del os.environ["LIT_MEMOPT_FUSED_TILES"]
+            else:
+                os.environ["LIT_MEMOPT_FUSED_TILES"] = before
+    return Method(LIT_FAST_EAGER, fn)
+
+
 def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers: dict, *, exact: bool, memory: bool,
             device: str = "cuda") -> dict[str, Any]:
     methods, absent = methods_for(op, dtype, peers, device=device)
+    fast = next((m for m in methods if m.name == LIT_FAST), None)
+    if fast is not None:  # the compiled tile kernels against the eager tile loop, in the same repetitions
+        methods.insert(methods.index(fast) + 1, _with_eager_tiles(fast))
     x = inputs(shape, dtype, torch.device(device))
     errors = exactness(methods, x) if exact else {}
     methods = [m for m in methods if "error" not in errors.get(m.name, {})]

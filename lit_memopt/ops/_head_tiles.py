@@ -332,8 +332,10 @@ class TileMath:
     gradient accumulators in ``stat_dtype`` (fp32, float64 for float64 inputs)."""
 
     def __init__(self, stat_dtype: torch.dtype, matmul_dtype: torch.dtype, device: torch.device,
-                 transform: LogitTransform, row_tile: int, vocab_tile: int, rows: int, vocab: int) -> None:
+                 transform: LogitTransform, row_tile: int, vocab_tile: int, rows: int, vocab: int, *, fused: bool = False) -> None:
         self.stat_dtype, self.matmul_dtype, self.transform = stat_dtype, matmul_dtype, transform
+        # The tile softmax maths run as compiled kernels (ops/_fused_tiles.py) instead of eager ops.
+        self.fused = fused
         self.ws = TileWorkspace(device)
         self.row_tile, self.vocab_tile = row_tile, vocab_tile
         self.logits_capacity = min(row_tile, max(rows, 1)) * min(vocab_tile, vocab)

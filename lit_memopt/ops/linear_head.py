@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lit_memopt.ops._fused_tiles import fold_tile, tile_logit_gradient, use_fused_tiles
 from lit_memopt.ops._head_tiles import MAX_TILE_ELEMENTS as _MAX_TILE_ELEMENTS  # noqa: F401 (tests read the policy)
 from lit_memopt.ops._head_tiles import (
     ChunkSize,
@@ -65,6 +66,7 @@ class _HeadSpec:
     row_tile: int
     vocab_tile: int
     fast: bool
+    fused: bool = False  # tile maths as compiled kernels (ops/_fused_tiles.py), decided once for forward and backward
 
     def wants(self, name: str) -> bool:
         return name in self.outputs
@@ -89,7 +91,7 @@ def _tile_math(spec: _HeadSpec, rows: int, hidden: Tensor, *others: Optional[Ten
     stat_dtype = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (hidden, *others)) else torch.float32
     matmul_dtype = hidden.dtype if spec.fast else stat_dtype
     return TileMath(stat_dtype, matmul_dtype, hidden.device, spec.transform, spec.row_tile, spec.vocab_tile,
-                    rows, others[0].shape[0])
+                    rows, others[0].shape[0], fused=spec.fused)
 
 
 def _pass_rows(hidden: Tensor, keep: Optional[Tensor]) -> int:
@@ -116,9 +118,9 @@ def _target_in_tile(targets: Tensor, v0: int, cols: int) -> tuple[Tensor, Tensor
 class _RunningSoftmax:
     """Online softmax statistics of one row tile, updated one vocabulary tile at a time."""
 
-    def __init__(self, spec: _HeadSpec, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: _HeadSpec, rows: int, dtype: torch.dtype, device: torch.device, fused: bool = False) -> None:
         new = lambda fill: torch.full((rows,), fill, dtype=dtype, device=device)  # noqa: E731
-        self.spec = spec
+        self.spec, self.fused = spec, fused
         self.max, self.sum = new(-math.inf), new(0.0)
         self.sum_ez = new(0.0) if spec.wants("entropy") else None  # sum_v e_v z_v (entropy)
         self.sum_z = new(0.0) if spec.wants("self_certainty") else None
@@ -129,6 +131,14 @@ class _RunningSoftmax:
 
     def update(self, z: Tensor, scratch: Tensor, v0: int, targets: Optional[Tensor], ref_z: Optional[Tensor]) -> None:
         """Fold the logits tile ``z`` (and the reference tile ``ref_z``) in; ``scratch`` is a tile buffer."""
+        if self.fused:  # the same maths in one compiled kernel (ops/_fused_tiles.py)
+            column = inside = None
+            if self.target_z is not None:
+                column, inside = _target_in_tile(targets, v0, z.shape[1])
+            (self.max, self.sum, self.sum_ez, self.sum_z, self.target_z, self.ref_max, self.ref_sum, self.sum_ed) = fold_tile(
+                z, ref_z, self.max, self.sum, self.sum_ez, self.sum_z, self.target_z, column, inside,
+                self.ref_max, self.ref_sum, self.sum_ed)
+            return
         if self.target_z is not None:
             column, inside = _target_in_tile(targets, v0, z.shape[1])
             self.target_z = torch.where(inside, z.gather(1, column).squeeze(1), self.target_z)
@@ -164,7 +174,7 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
         r1 = min(r0 + rt, n)
         h = _row_tile(math_, "h", hidden, keep, r0, r1)
         ref_h = _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1) if ref_weight is not None else None
-        run = _RunningSoftmax(spec, r1 - r0, math_.stat_dtype, hidden.device)
+        run = _RunningSoftmax(spec, r1 - r0, math_.stat_dtype, hidden.device, math_.fused)
         for v0 in tile_starts(0, vocab, vt, values=values):
             v1 = min(v0 + vt, vocab)
             z = math_.logits("z", h, math_.operand("w", weight[v0:v1], vt), bias, v0, v1)
@@ -236,6 +246,21 @@ def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optiona
     return spec.transform.chain_(p, slope_src, math_.stat_buffer("slope", n_rows, cols))
 
 
+def _fused_logit_gradient(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
+                          lse: Tensor, mu: Tensor, mu_d: Tensor, coeffs: _RowGradients, targets: Optional[Tensor],
+                          want_column_sums: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`_logit_gradient_` as one compiled kernel: the tile's gradient as a matmul operand, and its column sums."""
+    column = inside = None
+    if coeffs.g_lp is not None:
+        column, inside = _target_in_tile(targets[rows], v0, z.shape[1])
+    at = lambda t: None if t is None else t[rows]  # noqa: E731
+    transform = spec.transform
+    return tile_logit_gradient(
+        z, ref_z, lse[rows], at(mu) if coeffs.g_ent is not None else None, at(mu_d) if coeffs.g_kl is not None else None,
+        coeffs.alpha[rows], at(coeffs.g_ent), at(coeffs.g_kl), at(coeffs.uniform), at(coeffs.g_lp), column, inside,
+        transform.softcap, transform.linear_scale, transform.inv_temperature, math_.matmul_dtype, want_column_sums)
+
+
 def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                     targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
                     ref_bias: Optional[Tensor], lse: Tensor, mu: Tensor, mu_d: Tensor, keep: Optional[Tensor],
@@ -298,8 +323,12 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
                     ref_z = None
                     if ref_w is not None:
                         ref_z = math_.logits("ref_z", _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1), ref_w, stat_ref_bias, v0, v1)
-                    grad_raw = _logit_gradient_(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d, coeffs, targets)
-                    operand = math_.grad_operand(grad_raw)
+                    if math_.fused:
+                        operand, column_sums = _fused_logit_gradient(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d,
+                                                                     coeffs, targets, need_b)
+                    else:
+                        grad_raw = _logit_gradient_(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d, coeffs, targets)
+                        operand, column_sums = math_.grad_operand(grad_raw), grad_raw.sum(0) if need_b else None
                     if need_h:
                         math_.accumulate("gh_p", gh_block[r0 - s0 : r1 - s0], operand, w, overwrite=False)
                     if straight_gw:
@@ -307,7 +336,7 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
                     elif need_w:
                         math_.accumulate("gw_p", gw_tile, operand.t(), h, overwrite=overwrite_gw and one_row_tile)
                     if need_b:
-                        grad_b_acc[v0:v1] += grad_raw.sum(0)
+                        grad_b_acc[v0:v1] += column_sums
                 if need_w and not direct_gw and not straight_gw:
                     # Each block's fp32 tile sum is rounded once into the bf16/fp16 gradient, as
                     # gradient accumulation over micro-batches would; an fp32 copy of the whole
@@ -447,7 +476,7 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
     widest = max(size, ref_hidden.shape[-1]) if kl else size
     counted = rows.shape[0] if keep is None else keep.shape[0]
     row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=fast, total_rows=rows.shape[0])
-    spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast)
+    spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast, use_fused_tiles(rows.device, is_fake(rows)))
     results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))
     shaped = []

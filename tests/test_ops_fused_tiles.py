@@ -1,0 +1,111 @@
+"""The compiled per-tile kernels of the fused head (ops/_fused_tiles.py, CUDA's default) give the same
+values and gradients as the eager tile maths and as plain float64 references; forced on the CPU here
+(``LIT_MEMOPT_FUSED_TILES=1``), where torch.compile builds C++ kernels of the same functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lit_memopt.ops import linear_kl, linear_logprobs, linear_logprobs_and_entropy, linear_self_certainty
+from lit_memopt.ops._fused_tiles import use_fused_tiles
+
+IGNORE = -100
+
+
+def make(dtype=torch.float64, n=37, h=16, v=101, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    bias = torch.randn(v, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[3] = IGNORE
+    ref_hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype)
+    ref_weight = torch.randn(v, h, generator=g, dtype=torch.float64).to(dtype)
+    return hidden, weight, bias, targets, ref_hidden, ref_weight
+
+
+def run(case: str, fused: bool, monkeypatch, dtype=torch.float64):
+    """Outputs and (hidden, weight, bias) gradients of one op, tiled into 16 x 32 tiles (several of each, edges partial)."""
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1" if fused else "0")
+    hidden, weight, bias, targets, ref_hidden, ref_weight = make(dtype)
+    tiles = dict(chunk_size=(16, 32))
+    if case == "logprobs_entropy":
+        out = torch.stack(linear_logprobs_and_entropy(hidden, weight, targets, bias=bias, temperature=0.7,
+                                                      final_logit_softcapping=3.0, **tiles))
+    elif case == "kl":
+        out = linear_kl(hidden, weight, ref_hidden, ref_weight, **tiles)
+    elif case == "self_certainty":
+        out = linear_self_certainty(hidden, weight, bias=bias, logit_scale=0.5, **tiles)
+    elif case == "logprobs_fast":
+        out = linear_logprobs(hidden, weight, targets, bias=bias, precision="fast", **tiles)
+    else:
+        raise ValueError(case)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(out.dtype)
+    inputs = [t for t in (hidden, weight, bias) if t.grad_fn is None and t.requires_grad]
+    grads = torch.autograd.grad((out * up).sum(), inputs, allow_unused=True)
+    return out.detach(), [g for g in grads if g is not None]
+
+
+def reference(case: str):
+    hidden, weight, bias, targets, ref_hidden, ref_weight = make()
+    raw = hidden @ weight.T + (bias if case != "kl" else 0)
+    if case == "logprobs_entropy":
+        z = 3.0 * torch.tanh(raw / 3.0) / 0.7
+    elif case == "self_certainty":
+        z = raw * 0.5
+    else:
+        z = raw
+    logp = torch.log_softmax(z, -1)
+    if case == "logprobs_entropy":
+        valid = targets != IGNORE
+        picked = logp.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1) * valid
+        out = torch.stack([picked, -(logp.exp() * logp).sum(-1) * valid])  # ignored rows give 0 for every output
+    elif case == "kl":
+        logq = torch.log_softmax(ref_hidden @ ref_weight.T, -1)
+        out = (logp.exp() * (logp - logq)).sum(-1)
+    else:
+        out = torch.logsumexp(z, -1) - z.mean(-1)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    inputs = [hidden, weight] + ([bias] if case != "kl" else [])
+    return out.detach(), list(torch.autograd.grad((out * up).sum(), inputs))
+
+
+@pytest.mark.parametrize("case", ["logprobs_entropy", "kl", "self_certainty"])
+def test_compiled_tiles_match_eager_and_float64(case, monkeypatch):
+    counters.clear()
+    fused_out, fused_grads = run(case, True, monkeypatch)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # compiled, in one piece each
+    eager_out, eager_grads = run(case, False, monkeypatch)
+    want_out, want_grads = reference(case)
+    torch.testing.assert_close(fused_out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused_out, eager_out, rtol=1e-12, atol=1e-12)
+    assert len(fused_grads) == len(want_grads) == len(eager_grads)
+    for got, eager, want in zip(fused_grads, eager_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+        torch.testing.assert_close(got, eager, rtol=1e-11, atol=1e-12)
+
+
+def test_compiled_fast_bf16_tiles_match_the_eager_fast_path(monkeypatch):
+    fused_out, fused_grads = run("logprobs_fast", True, monkeypatch, dtype=torch.bfloat16)
+    eager_out, eager_grads = run("logprobs_fast", False, monkeypatch, dtype=torch.bfloat16)
+    torch.testing.assert_close(fused_out, eager_out, rtol=1e-5, atol=1e-5)
+    for got, eager in zip(fused_grads, eager_grads):
+        assert got.dtype == torch.bfloat16
+        # bf16 operands of the backward products: at most a bf16 rounding apart
+        torch.testing.assert_close(got.float(), eager.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_where_the_compiled_tiles_run(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("LIT_MEMOPT_FUSED_TILES", raising=False)
+    assert use_fused_tiles(cuda, fake=False) and not use_fused_tiles(cpu, fake=False)
+    assert not use_fused_tiles(cuda, fake=True)  # the peak-memory estimator traces the eager ops
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "0")
+    assert not use_fused_tiles(cuda, fake=False)
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1")
+    assert use_fused_tiles(cpu, fake=False) and not use_fused_tiles(cpu, fake=True)
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "yes")
+    with pytest.raises(ValueError, match="LIT_MEMOPT_FUSED_TILES must be one of"):
+        use_fused_tiles(cuda, fake=False)
