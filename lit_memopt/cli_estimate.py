@@ -130,18 +130,11 @@ def with_fake_weights(model_config: Any) -> Any:
     return out
 
 
-def build_fake_run(cfg: Any, blocks: int | None) -> Any:
-    """``instantiate_run(cfg)`` with fake language-model weights and ``blocks`` blocks (``None``: as configured)."""
-    from lit_memopt.cli import instantiate_run
-
-    def prepare(model_config: Any) -> Any:
-        if not hasattr(model_config, "build_model"):
-            raise EstimateError(f"estimate: {type(model_config).__name__} has no build_model(); cannot build it with fake weights")
-        return with_fake_weights(model_config if blocks is None else with_blocks(model_config, blocks))
-
+def step_config(cfg: Any) -> Any:
+    """The recipe's config for one training step, estimated or measured: no logger or callbacks (a step
+    trains nothing, and they need a Hydra run directory), and nothing trained before it."""
     from omegaconf import OmegaConf, open_dict
 
-    # No logger or callbacks: an estimate trains nothing (and runs outside a Hydra run directory too).
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k not in ("logger", "callbacks", "hydra")])
     with open_dict(cfg):
         cfg.logger = None
@@ -155,7 +148,19 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
         if OmegaConf.is_dict(OmegaConf.select(cfg, "module.warm_start")):
             # The supervised warm start happens before training: it changes weight values, not a step's memory.
             cfg.module.warm_start.steps = 0
-    run = instantiate_run(cfg, prepare_model_config=prepare)
+    return cfg
+
+
+def build_fake_run(cfg: Any, blocks: int | None) -> Any:
+    """``instantiate_run(cfg)`` with fake language-model weights and ``blocks`` blocks (``None``: as configured)."""
+    from lit_memopt.cli import instantiate_run
+
+    def prepare(model_config: Any) -> Any:
+        if not hasattr(model_config, "build_model"):
+            raise EstimateError(f"estimate: {type(model_config).__name__} has no build_model(); cannot build it with fake weights")
+        return with_fake_weights(model_config if blocks is None else with_blocks(model_config, blocks))
+
+    run = instantiate_run(step_config(cfg), prepare_model_config=prepare)
     module = run.module
     if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
         # A module that executes generated code (CRSP) starts its sandbox in setup; outside "fit", setup
@@ -319,7 +324,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         if estimate.peak_bytes < free:
             from lit_memopt.cli import instantiate_run
 
-            measured = measure_on_cuda(lambda: instantiate_run(cfg).module, batch, None)
+            measured = measure_on_cuda(lambda: instantiate_run(step_config(cfg)).module, batch, None)
     model = estimator.run.model_config
     return EstimateReport(
         recipe=str(cfg.get("recipe_name") or "?"),

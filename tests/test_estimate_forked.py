@@ -120,6 +120,25 @@ def test_no_fork_while_another_thread_runs() -> None:
         thread.join()
 
 
+def test_no_fork_once_this_process_holds_a_cuda_context(monkeypatch) -> None:  # noqa: ANN001
+    # A forked child cannot use its parent's CUDA context (every CUDA call fails there).
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert not can_fork()
+
+
+def test_a_step_is_built_from_a_composed_config_outside_a_hydra_run() -> None:
+    # The measurement on a GPU builds the real module from the same step config as the estimate: no
+    # logger or callbacks, whose ${hydra:...} directories exist only inside a `lit-memopt` run.
+    from lit_memopt.cli import compose_config, instantiate_run
+    from lit_memopt.cli_estimate import step_config
+
+    cfg = compose_config(["recipe=sft"])
+    with pytest.raises(Exception, match="HydraConfig was not set"):
+        instantiate_run(cfg)
+    run = instantiate_run(step_config(cfg))
+    assert isinstance(run.module, SFTModule) and run.logger is False and run.callbacks == []
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @needs_fork
 def test_the_check_trace_in_a_forked_copy_gives_the_sequential_result(monkeypatch) -> None:  # noqa: ANN001

@@ -39,10 +39,20 @@ def usable_cpu_cores() -> int:
 
 
 def can_fork() -> bool:
-    """Whether ``ForkedCall`` may fork here: Linux, two or more usable cores, and a single Python thread."""
+    """Whether ``ForkedCall`` may fork here: Linux, two or more usable cores, a single Python thread, and
+    no CUDA context in this process (a forked child cannot use its parent's: every CUDA call there fails
+    with "initialization error", as a benchmark loop that measured one recipe on the GPU before
+    estimating the next found)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return False
+    if _cuda_initialized():
+        return False
     return usable_cpu_cores() >= 2 and threading.active_count() == 1
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 class ForkedCall:

@@ -52,10 +52,17 @@ def _compiled(fn: Callable) -> Callable:
     return call
 
 
+def _hits(z: Tensor, targets: Tensor, v0: int) -> Tensor:
+    """``[rows, cols]``: whether column ``c`` of the tile (vocabulary id ``v0 + c``) is the row's target."""
+    columns = torch.arange(z.shape[1], device=z.device) + v0
+    return columns.unsqueeze(0) == targets.unsqueeze(1)
+
+
 def _fold_tile(z: Tensor, ref_z: Optional[Tensor], run_max: Tensor, run_sum: Tensor, sum_ez: Optional[Tensor],
-               sum_z: Optional[Tensor], target_z: Optional[Tensor], column: Optional[Tensor], inside: Optional[Tensor],
+               sum_z: Optional[Tensor], target_z: Optional[Tensor], targets: Optional[Tensor], v0: int,
                ref_max: Optional[Tensor], ref_sum: Optional[Tensor], sum_ed: Optional[Tensor]):
-    """Online-softmax update of one row tile's statistics with the logits tile ``z`` (see ``_RunningSoftmax``).
+    """Online-softmax update of one row tile's statistics with the logits tile ``z`` of vocabulary ids
+    ``v0 ...`` (see ``_RunningSoftmax``); ``targets`` are the rows' target ids.
 
     Returns the new ``(max, sum, sum_ez, sum_z, target_z, ref_max, ref_sum, sum_ed)``; ``None`` stays ``None``.
     """
@@ -68,7 +75,9 @@ def _fold_tile(z: Tensor, ref_z: Optional[Tensor], run_max: Tensor, run_sum: Ten
     if sum_z is not None:
         sum_z = sum_z + z.sum(1)
     if target_z is not None:
-        target_z = torch.where(inside, z.gather(1, column).squeeze(1), target_z)
+        inside = (targets >= v0) & (targets < v0 + z.shape[1])
+        picked = torch.where(_hits(z, targets, v0), z, torch.zeros((), dtype=z.dtype, device=z.device)).sum(1)
+        target_z = torch.where(inside, picked, target_z)
     if ref_z is not None:
         new_ref_max = torch.maximum(ref_max, ref_z.amax(1))
         ref_sum = ref_sum * torch.exp(ref_max - new_ref_max) + torch.exp(ref_z - new_ref_max.unsqueeze(1)).sum(1)
@@ -79,12 +88,13 @@ def _fold_tile(z: Tensor, ref_z: Optional[Tensor], run_max: Tensor, run_sum: Ten
 
 def _tile_logit_gradient(z: Tensor, ref_z: Optional[Tensor], lse: Tensor, mu: Optional[Tensor], mu_d: Optional[Tensor],
                          alpha: Tensor, g_ent: Optional[Tensor], g_kl: Optional[Tensor], uniform: Optional[Tensor],
-                         g_lp: Optional[Tensor], column: Optional[Tensor], inside: Optional[Tensor],
+                         g_lp: Optional[Tensor], targets: Optional[Tensor], v0: int,
                          softcap: Optional[float], linear_scale: float, inv_temperature: float,
                          out_dtype: torch.dtype, want_column_sums: bool):
     """``d out / d raw`` of one tile in ``out_dtype`` (the matmul operand), and its column sums in ``z``'s
     dtype when ``want_column_sums`` (the bias gradient). Arguments are row slices ``[rows]`` of the
-    per-row statistics and coefficients of ``_RowGradients``; ``z`` is the transformed logits tile."""
+    per-row statistics and coefficients of ``_RowGradients``; ``z`` is the transformed logits tile of
+    vocabulary ids ``v0 ...`` and ``targets`` the rows' target ids."""
     p = torch.exp(z - lse.unsqueeze(1))
     coefficient = alpha.unsqueeze(1)
     if g_kl is not None:
@@ -95,9 +105,7 @@ def _tile_logit_gradient(z: Tensor, ref_z: Optional[Tensor], lse: Tensor, mu: Op
     if uniform is not None:
         grad = grad - uniform.unsqueeze(1)
     if g_lp is not None:
-        columns = torch.arange(z.shape[1], device=z.device).unsqueeze(0)
-        hit = (columns == column) & inside.unsqueeze(1)
-        grad = grad + torch.where(hit, g_lp.unsqueeze(1), torch.zeros((), dtype=grad.dtype, device=grad.device))
+        grad = grad + torch.where(_hits(z, targets, v0), g_lp.unsqueeze(1), torch.zeros((), dtype=grad.dtype, device=grad.device))
     if softcap is not None:  # dz/draw = logit_scale / T * (1 - tanh^2), tanh = z * T / cap
         tanh = z * (1.0 / (softcap * inv_temperature))
         grad = grad * (1.0 - tanh * tanh) * linear_scale

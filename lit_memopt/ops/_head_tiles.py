@@ -22,6 +22,8 @@ PRECISIONS = ("auto", "exact", "fast")
 # at most this many elements, but never less than the floor: tiny problems then run in one tile.
 MAX_TILE_ELEMENTS = 1 << 23  # 32 MiB in fp32
 MIN_TILE_ELEMENTS = 1 << 18
+# Compiled tile kernels on CUDA (ops/_fused_tiles.py) need fewer tile buffers: their tiles may be this much larger.
+FUSED_CUDA_TILE_SCALE = 2
 # Tiles bigger than this are rounded down to a multiple of it, which matmul kernels prefer.
 TILE_ALIGN = 128
 # On CUDA no tile may take more than this fraction of the currently free memory.
@@ -173,7 +175,7 @@ def tile_starts(start: int, stop: int, step: int, *, values: bool = True) -> Seq
 
 
 def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, device: torch.device,
-               *, fast: bool = False, total_rows: Optional[int] = None) -> tuple[int, int]:
+               *, fast: bool = False, total_rows: Optional[int] = None, fused: bool = False) -> tuple[int, int]:
     """Pick ``(row_tile, vocab_tile)``: explicit when given, else from the shapes and free memory.
 
     ``rows`` are the rows that reach the matmuls; ``total_rows`` (default: ``rows``) all rows of the
@@ -186,6 +188,10 @@ def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, d
     fp32, so fewer, wider tiles mean fewer roundings (at N=2048, H=512, V=32000 the hidden
     gradient's error then equals a full-logits implementation's), and the weight tile, already
     in the matmul dtype, needs no copy.
+
+    With ``fused`` (compiled tile kernels) on CUDA both budgets double: those kernels keep no
+    tile-sized scratch buffers besides the logits tile, and a GPU pass is bound by the Python work
+    per tile, so fewer, larger tiles are faster for the same memory.
     """
     if chunk_size is not None:
         if isinstance(chunk_size, int) and not isinstance(chunk_size, bool):
@@ -205,8 +211,9 @@ def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, d
     # Budget: about the size of `hidden` itself, clamped to a fixed window so that huge batches
     # still tile finely and tiny ones run in a single tile.
     total = rows if total_rows is None else max(total_rows, rows)
-    budget = min(max(total * hidden_size, MIN_TILE_ELEMENTS), MAX_TILE_ELEMENTS)
-    vocab_budget = min(2 * budget, MAX_TILE_ELEMENTS) if fast else budget
+    cap = MAX_TILE_ELEMENTS * (FUSED_CUDA_TILE_SCALE if fused and device.type == "cuda" else 1)
+    budget = min(max(total * hidden_size, MIN_TILE_ELEMENTS), cap)
+    vocab_budget = min(2 * budget, cap) if fast else budget
     if total > rows:
         share = rows / total
         budget, vocab_budget = (max(int(b * share), MIN_TILE_ELEMENTS) for b in (budget, vocab_budget))

@@ -132,12 +132,9 @@ class _RunningSoftmax:
     def update(self, z: Tensor, scratch: Tensor, v0: int, targets: Optional[Tensor], ref_z: Optional[Tensor]) -> None:
         """Fold the logits tile ``z`` (and the reference tile ``ref_z``) in; ``scratch`` is a tile buffer."""
         if self.fused:  # the same maths in one compiled kernel (ops/_fused_tiles.py)
-            column = inside = None
-            if self.target_z is not None:
-                column, inside = _target_in_tile(targets, v0, z.shape[1])
             (self.max, self.sum, self.sum_ez, self.sum_z, self.target_z, self.ref_max, self.ref_sum, self.sum_ed) = fold_tile(
-                z, ref_z, self.max, self.sum, self.sum_ez, self.sum_z, self.target_z, column, inside,
-                self.ref_max, self.ref_sum, self.sum_ed)
+                z, ref_z, self.max, self.sum, self.sum_ez, self.sum_z, self.target_z,
+                targets if self.target_z is not None else None, v0, self.ref_max, self.ref_sum, self.sum_ed)
             return
         if self.target_z is not None:
             column, inside = _target_in_tile(targets, v0, z.shape[1])
@@ -250,14 +247,12 @@ def _fused_logit_gradient(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Op
                           lse: Tensor, mu: Tensor, mu_d: Tensor, coeffs: _RowGradients, targets: Optional[Tensor],
                           want_column_sums: bool) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`_logit_gradient_` as one compiled kernel: the tile's gradient as a matmul operand, and its column sums."""
-    column = inside = None
-    if coeffs.g_lp is not None:
-        column, inside = _target_in_tile(targets[rows], v0, z.shape[1])
     at = lambda t: None if t is None else t[rows]  # noqa: E731
     transform = spec.transform
     return tile_logit_gradient(
         z, ref_z, lse[rows], at(mu) if coeffs.g_ent is not None else None, at(mu_d) if coeffs.g_kl is not None else None,
-        coeffs.alpha[rows], at(coeffs.g_ent), at(coeffs.g_kl), at(coeffs.uniform), at(coeffs.g_lp), column, inside,
+        coeffs.alpha[rows], at(coeffs.g_ent), at(coeffs.g_kl), at(coeffs.uniform), at(coeffs.g_lp),
+        at(targets) if coeffs.g_lp is not None else None, v0,
         transform.softcap, transform.linear_scale, transform.inv_temperature, math_.matmul_dtype, want_column_sums)
 
 
@@ -475,8 +470,10 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
             flat_targets = None if flat_targets is None else flat_targets.index_select(0, keep)
     widest = max(size, ref_hidden.shape[-1]) if kl else size
     counted = rows.shape[0] if keep is None else keep.shape[0]
-    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=fast, total_rows=rows.shape[0])
-    spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast, use_fused_tiles(rows.device, is_fake(rows)))
+    fused = use_fused_tiles(rows.device, is_fake(rows))
+    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=fast, total_rows=rows.shape[0],
+                                      fused=fused)
+    spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast, fused)
     results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))
     shaped = []
