@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -59,15 +59,19 @@ def _timed_step(method: Method, x: Inputs) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_times(methods: list[Method], x: Inputs, reps: int) -> dict[str, list[float]]:
-    """Forward+backward seconds per repetition; every repetition runs every method once (order rotated)."""
-    for m in methods:  # warm-up: allocator, thread pools, torch.compile
-        _timed_step(m, x)
+def interleaved_times(methods: list[Method], x: Inputs, reps: int, *,
+                      step: Callable[[Method, Inputs], float] = _timed_step, warmups: int = 1) -> dict[str, list[float]]:
+    """Forward+backward seconds per repetition; every repetition runs every method once (order rotated).
+
+    ``step`` times one forward+backward (the GPU benchmark's synchronises the device around it)."""
+    for m in methods:  # warm-up: allocator, thread pools, torch.compile, Triton autotuning
+        for _ in range(warmups):
+            step(m, x)
     times: dict[str, list[float]] = {m.name: [] for m in methods}
     for rep in range(reps):
         k = rep % len(methods)
         for m in methods[k:] + methods[:k]:
-            times[m.name].append(_timed_step(m, x))
+            times[m.name].append(step(m, x))
     _clear_grads(x)
     return times
 

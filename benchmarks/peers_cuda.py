@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks._peer_measure import exactness, paired_ratio
+from benchmarks._peer_measure import exactness, interleaved_times, paired_ratio
 from benchmarks._peer_methods import (
     FAKE_MEMORY_SHAPE,
     LIT_EXACT,
@@ -70,19 +70,6 @@ def _step(m: Method, x: Inputs) -> float:
     objective(m.fn(x), x).backward()
     torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def timed(methods: list[Method], x: Inputs, reps: int) -> dict[str, list[float]]:
-    for m in methods:  # warm-up: Triton autotuning, torch.compile, the allocator
-        _step(m, x)
-        _step(m, x)
-    times: dict[str, list[float]] = {m.name: [] for m in methods}
-    for rep in range(reps):
-        k = rep % len(methods)
-        for m in methods[k:] + methods[:k]:
-            times[m.name].append(_step(m, x))
-    _clear_grads(x)
-    return times
 
 
 def peak_extra(m: Method, x: Inputs) -> int:
@@ -143,7 +130,7 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
     methods = [m for m in methods if "error" not in errors.get(m.name, {})]
     absent += [{"peer": n, "method": n, "error": e["error"]} for n, e in errors.items() if "error" in e]
     methods = runnable(methods, x, absent)
-    times = timed(methods, x, reps)
+    times = interleaved_times(methods, x, reps, step=_step, warmups=2)
     rows = []
     for m in methods:
         row: dict[str, Any] = {"method": m.name, "peer": m.peer, **errors.get(m.name, {}),

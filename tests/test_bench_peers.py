@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -83,3 +85,24 @@ def test_judge_compares_with_the_peer_in_the_same_repetitions() -> None:
     result["time"][0]["shape"] = peers.TIME_SHAPE_QUICK  # the targets are defined at the full shape only
     (verdict,) = peers.judge(result)
     assert verdict["met"] is None
+
+
+def test_the_gpu_benchmark_times_compiled_against_eager_tiles_and_leaves_the_setting_alone(
+        only_a_missing_peer: dict[str, peers.Peer], monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/peers_cuda.py's comparison, run on the CPU with the CUDA timers and counters stubbed.
+    from benchmarks import peers_cuda
+
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "auto")
+    c = peers_cuda.compare("logprobs", torch.bfloat16, TINY, 2, only_a_missing_peer, exact=True, memory=True, device="cpu")
+    rows = {r["method"]: r for r in c["rows"]}
+    assert list(rows) == [peers.NAIVE, peers.LIT_EXACT, peers.LIT_FAST, peers_cuda.LIT_FAST_EAGER]
+    assert all(len(c["times"][name]) == 2 for name in rows)
+    # the same maths either way, and the user's setting is back once the eager-tiles method has run
+    assert rows[peers_cuda.LIT_FAST_EAGER]["value_err"] == rows[peers.LIT_FAST]["value_err"]
+    assert os.environ["LIT_MEMOPT_FUSED_TILES"] == "auto"
+    assert c["absent"] and "TRL ChunkedLogProbFunction" in peers_cuda.to_markdown(
+        {"gpu": "test", "torch": torch.__version__, "triton": None, "command": "test", "peers": [], "cases": [c]})
