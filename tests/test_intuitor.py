@@ -88,10 +88,27 @@ def test_training_step_end_to_end(lora):
     assert any(not torch.equal(before[n], p) for n, p in module.model.named_parameters() if p.requires_grad)
     if module.reference is not None:
         assert not any(p.requires_grad for p in module.reference.parameters())
-    for key in ("train/self_certainty", "train/kl", "train/response_length", "train/accuracy", "train/reward", "train/loss"):
+    for key in ("train/self_certainty", "train/kl", "train/response_length", "train/truncated", "train/accuracy", "train/reward",
+                "train/loss"):
         assert key in logged.values and math.isfinite(logged.values[key])
     assert logged.values["train/self_certainty"] >= -1e-5  # KL(U || p) >= 0
     assert 1 <= logged.values["train/response_length"] <= 5
+
+
+def test_truncated_responses_are_those_cut_at_the_cap_without_eos():
+    config = _config()
+    tokenizer = config.build_tokenizer()
+    module = IntuitorModule(config, tokenizer, num_samples=2, max_new_tokens=3)
+    eos = tokenizer.eos_token_id
+    from lit_memopt.modules.rollout import Rollout
+
+    # responses: cut at the cap; EOS as the last allowed token; EOS early; none finished and cut
+    response = torch.tensor([[5, 6, 7], [5, 6, eos], [5, eos, 0], [8, 8, 8]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    prompt = torch.full((4, 2), 9)
+    rollout = Rollout(torch.cat([prompt, response], 1), torch.cat([torch.ones(4, 2, dtype=torch.long), mask.long()], 1),
+                      torch.cat([torch.zeros(4, 2, dtype=torch.bool), mask], 1), prompt_length=2, num_samples=2)
+    assert module._truncated(rollout).tolist() == [True, False, False, True]
 
 
 def test_self_certainty_reward_matches_plain_logits():

@@ -195,6 +195,16 @@ class IntuitorModule(pl.LightningModule):
             greedy=greedy,
         )
 
+    def _truncated(self, rollout: Rollout) -> torch.Tensor:
+        """``[N]`` bool: responses cut at ``max_new_tokens`` without an end-of-sequence token."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        lengths = rollout.response_lengths
+        at_cap = lengths >= int(self.hparams.max_new_tokens)
+        if eos is None or not bool(at_cap.any()):
+            return at_cap
+        last = rollout.response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        return at_cap & (last != eos)  # a response whose last allowed token is EOS finished
+
     def _accuracy(self, batch: dict[str, Any], rollout: Rollout) -> torch.Tensor | None:
         answers = batch.get("answers")
         if self.checker is None or answers is None or self.tokenizer is None:
@@ -260,7 +270,8 @@ class IntuitorModule(pl.LightningModule):
             # identical responses of a group get one reward, not rounding-noise rivals (see the function)
             reward = share_rewards_of_identical_responses(certainty, rollout)
             if accuracy is not None and hp.accuracy_weight > 0:
-                reward = (1.0 - hp.accuracy_weight) * certainty + hp.accuracy_weight * accuracy
+                reward = (1.0 - hp.accuracy_weight) * reward + hp.accuracy_weight * accuracy
+            truncated = self._truncated(rollout)
             advantages = group_advantages(reward, group, hp.advantage_eps)
 
         loss = ppo_clip_loss(
@@ -285,6 +296,7 @@ class IntuitorModule(pl.LightningModule):
         self.log("train/reward", reward.mean(), batch_size=num_prompts)
         self.log("train/kl", kl, prog_bar=True, batch_size=num_prompts)
         self.log("train/response_length", rollout.response_lengths.float().mean(), batch_size=num_prompts)
+        self.log("train/truncated", truncated.float().mean(), batch_size=num_prompts)
         if accuracy is not None:
             self.log("train/accuracy", accuracy.mean(), prog_bar=True, batch_size=num_prompts)
         return loss
