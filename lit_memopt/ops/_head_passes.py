@@ -1,0 +1,313 @@
+"""The two tiled passes of the fused LM head (``linear_head.py``): the forward's running softmax
+statistics per row, and the backward's logit-gradient tiles and their products into the hidden,
+weight and bias gradients. Each tile is one ``[row tile, vocab tile]`` block of logits, computed,
+used and dropped; the per-tile softmax maths run as eager ops or as compiled kernels
+(``_fused_tiles.py``, the CUDA default).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lit_memopt.ops._fused_tiles import fold_tile, tile_logit_gradient
+from lit_memopt.ops._head_tiles import LogitTransform, TileMath, exp_, is_fake, tile_starts
+
+# Backward walks the rows in super-blocks of this many row tiles, so its fp32 hidden-gradient
+# accumulator is [super-block, H] (a few tile budgets) instead of [N, H]. More row tiles per block
+# mean fewer re-casts of the weight tiles and fewer low-precision additions into a bf16/fp16 weight
+# gradient; fewer mean a smaller accumulator.
+_SUPER_BLOCK_ROW_TILES = 4
+
+# Per-row outputs, in the order the Function returns them.
+OUTPUTS = ("logprobs", "entropy", "self_certainty", "kl", "logsumexp")
+
+
+@dataclass(frozen=True)
+class _HeadSpec:
+    """What one fused pass computes and how it tiles (non-tensor arguments of the autograd Function)."""
+
+    outputs: frozenset
+    transform: LogitTransform
+    row_tile: int
+    vocab_tile: int
+    fast: bool
+    fused: bool = False  # tile maths as compiled kernels (ops/_fused_tiles.py), decided once for forward and backward
+
+    def wants(self, name: str) -> bool:
+        return name in self.outputs
+
+
+class _NoAutocast:
+    """Disable autocast on ``device_type`` so the tiles are computed in the dtype the plan chose."""
+
+    def __init__(self, device_type: str) -> None:
+        self._ctx = torch.autocast(device_type=device_type, enabled=False) if device_type in ("cpu", "cuda", "xpu", "mps", "hpu") else None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _tile_math(spec: _HeadSpec, rows: int, hidden: Tensor, *others: Optional[Tensor]) -> TileMath:
+    stat_dtype = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (hidden, *others)) else torch.float32
+    matmul_dtype = hidden.dtype if spec.fast else stat_dtype
+    return TileMath(stat_dtype, matmul_dtype, hidden.device, spec.transform, spec.row_tile, spec.vocab_tile,
+                    rows, others[0].shape[0], fused=spec.fused)
+
+
+def _pass_rows(hidden: Tensor, keep: Optional[Tensor]) -> int:
+    """How many rows the pass computes: all of ``hidden``'s, or only the ``keep`` ones."""
+    return hidden.shape[0] if keep is None else keep.shape[0]
+
+
+def _row_tile(math_: TileMath, name: str, hidden: Tensor, keep: Optional[Tensor], r0: int, r1: int) -> Tensor:
+    """Rows ``r0:r1`` of the pass as a matmul operand: a slice of ``hidden``, or, when only the rows
+    ``keep`` count, those rows gathered into a tile buffer (never a compacted copy of all of them)."""
+    if keep is None:
+        return math_.operand(name, hidden[r0:r1], math_.row_tile)
+    gathered = math_.ws.get(name + "_rows", r1 - r0, hidden.shape[1], math_.row_tile * hidden.shape[1], hidden.dtype)
+    torch.index_select(hidden, 0, keep[r0:r1], out=gathered)
+    return math_.operand(name, gathered, math_.row_tile)
+
+
+def _target_in_tile(targets: Tensor, v0: int, cols: int) -> tuple[Tensor, Tensor]:
+    """Column of each row's target inside the vocabulary tile starting at ``v0`` (clamped), and whether it is there."""
+    local = targets - v0
+    return local.clamp(0, cols - 1).unsqueeze(1), (local >= 0) & (local < cols)
+
+
+class _RunningSoftmax:
+    """Online softmax statistics of one row tile, updated one vocabulary tile at a time."""
+
+    def __init__(self, spec: _HeadSpec, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        new = lambda fill: torch.full((rows,), fill, dtype=dtype, device=device)  # noqa: E731
+        self.spec = spec
+        self.max, self.sum = new(-math.inf), new(0.0)
+        self.sum_ez = new(0.0) if spec.wants("entropy") else None  # sum_v e_v z_v (entropy)
+        self.sum_z = new(0.0) if spec.wants("self_certainty") else None
+        self.target_z = new(0.0) if spec.wants("logprobs") else None
+        self.ref_max = new(-math.inf) if spec.wants("kl") else None
+        self.ref_sum = new(0.0) if spec.wants("kl") else None
+        self.sum_ed = new(0.0) if spec.wants("kl") else None  # sum_v e_v (z_v - zref_v) (KL)
+
+    def update(self, z: Tensor, scratch: Tensor, v0: int, targets: Optional[Tensor], ref_z: Optional[Tensor]) -> None:
+        """Fold the logits tile ``z`` (and the reference tile ``ref_z``) in; ``scratch`` is a tile buffer."""
+        if self.spec.fused:  # the same maths in one compiled kernel (ops/_fused_tiles.py)
+            (self.max, self.sum, self.sum_ez, self.sum_z, self.target_z, self.ref_max, self.ref_sum, self.sum_ed) = fold_tile(
+                z, ref_z, self.max, self.sum, self.sum_ez, self.sum_z, self.target_z,
+                targets if self.target_z is not None else None, v0, self.ref_max, self.ref_sum, self.sum_ed)
+            return
+        if self.target_z is not None:
+            column, inside = _target_in_tile(targets, v0, z.shape[1])
+            self.target_z = torch.where(inside, z.gather(1, column).squeeze(1), self.target_z)
+        if self.sum_z is not None:
+            self.sum_z += z.sum(1)
+        new_max = torch.maximum(self.max, z.amax(1))
+        rescale = torch.exp(self.max - new_max)
+        if ref_z is not None:
+            new_ref_max = torch.maximum(self.ref_max, ref_z.amax(1))
+            ref_e = exp_(torch.sub(ref_z, new_ref_max.unsqueeze(1), out=scratch))
+            self.ref_sum = self.ref_sum * torch.exp(self.ref_max - new_ref_max) + ref_e.sum(1)
+            self.ref_max = new_ref_max
+        e = exp_(torch.sub(z, new_max.unsqueeze(1), out=scratch))
+        self.sum = self.sum * rescale + e.sum(1)
+        self.max = new_max
+        if ref_z is not None:
+            d = ref_z.neg_().add_(z)  # z - z_ref, in place of the reference tile
+            self.sum_ed = self.sum_ed * rescale + d.mul_(e).sum(1)
+        if self.sum_ez is not None:
+            self.sum_ez = self.sum_ez * rescale + e.mul_(z).sum(1)
+
+
+def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                        targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
+                        ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
+    """Per-row ``lse`` plus what the requested outputs need: ``target_z``, ``mu`` (= E_p[z]),
+    ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref]), for the rows ``keep`` (all when ``None``)."""
+    n, vocab = _pass_rows(hidden, keep), weight.shape[0]
+    rt, vt = spec.row_tile, spec.vocab_tile
+    stats: dict[str, Tensor] = {k: hidden.new_zeros(n, dtype=math_.stat_dtype) for k in ("lse", "target_z", "mu", "mean_z", "ref_lse", "mu_d")}
+    values = not is_fake(hidden)
+    for r0 in tile_starts(0, n, rt, values=values):
+        r1 = min(r0 + rt, n)
+        h = _row_tile(math_, "h", hidden, keep, r0, r1)
+        ref_h = _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1) if ref_weight is not None else None
+        run = _RunningSoftmax(spec, r1 - r0, math_.stat_dtype, hidden.device)
+        for v0 in tile_starts(0, vocab, vt, values=values):
+            v1 = min(v0 + vt, vocab)
+            z = math_.logits("z", h, math_.operand("w", weight[v0:v1], vt), bias, v0, v1)
+            ref_z = None
+            if ref_h is not None:
+                ref_z = math_.logits("ref_z", ref_h, math_.operand("ref_w", ref_weight[v0:v1], vt), ref_bias, v0, v1)
+            run.update(z, math_.stat_buffer("e", r1 - r0, v1 - v0), v0, None if targets is None else targets[r0:r1], ref_z)
+        stats["lse"][r0:r1] = run.max + torch.log(run.sum)
+        if run.target_z is not None:
+            stats["target_z"][r0:r1] = run.target_z
+        if run.sum_ez is not None:
+            stats["mu"][r0:r1] = run.sum_ez / run.sum
+        if run.sum_z is not None:
+            stats["mean_z"][r0:r1] = run.sum_z / vocab
+        if run.sum_ed is not None:
+            stats["ref_lse"][r0:r1] = run.ref_max + torch.log(run.ref_sum)
+            stats["mu_d"][r0:r1] = run.sum_ed / run.sum
+    return stats
+
+
+@dataclass
+class _RowGradients:
+    """Upstream gradients folded into per-row coefficients of ``d out / d z``:
+    ``p * (alpha + g_ent (mu - z) + g_kl (z - z_ref - mu_d)) - g_sc / V + g_lp onehot(target)``."""
+
+    alpha: Tensor
+    g_lp: Optional[Tensor]
+    g_ent: Optional[Tensor]
+    g_kl: Optional[Tensor]
+    uniform: Optional[Tensor]
+
+    @staticmethod
+    def from_upstream(spec: _HeadSpec, grads: tuple, n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> "_RowGradients":
+        pending = iter(grads)
+        g = {name: next(pending) for name in OUTPUTS if spec.wants(name)}
+        g = {k: None if v is None else v.reshape(-1).to(dtype) for k, v in g.items()}
+        alpha = torch.zeros(n, dtype=dtype, device=device)
+        # d logprob / dz = onehot - p; d self_certainty / dz = p - 1/V; d logsumexp / dz = p
+        for name, sign in (("logprobs", -1.0), ("self_certainty", 1.0), ("logsumexp", 1.0)):
+            if g.get(name) is not None:
+                alpha.add_(g[name], alpha=sign)
+        g_sc = g.get("self_certainty")
+        return _RowGradients(alpha, g.get("logprobs"), g.get("entropy"), g.get("kl"), None if g_sc is None else g_sc / vocab)
+
+
+def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
+                     lse: Tensor, mu: Tensor, mu_d: Tensor, coeffs: _RowGradients, targets: Optional[Tensor]) -> Tensor:
+    """``d out / d raw`` for one tile (raw = hidden @ W.T + b), built in tile buffers; ``z`` is consumed."""
+    n_rows, cols = z.shape
+    col = lambda t: t[rows].unsqueeze(1)  # noqa: E731
+    # The softcap's slope needs the untouched z; any other user of z below may overwrite it.
+    slope_src = z
+    if spec.transform.softcap is not None and coeffs.g_ent is not None:
+        slope_src = math_.stat_buffer("z_copy", n_rows, cols).copy_(z)
+    keep_z = coeffs.g_ent is not None or ref_z is not None or spec.transform.softcap is not None
+    p = exp_(torch.sub(z, col(lse), out=math_.stat_buffer("p", n_rows, cols)) if keep_z else z.sub_(col(lse)))
+    extra = None
+    if ref_z is not None:
+        extra = ref_z.neg_().add_(z).sub_(col(mu_d)).mul_(col(coeffs.g_kl))
+    if coeffs.g_ent is not None:
+        z.sub_(col(mu)).mul_(-col(coeffs.g_ent))  # g_ent (mu - z), in z's storage
+        extra = z if extra is None else extra.add_(z)
+    p.mul_(col(coeffs.alpha) if extra is None else extra.add_(col(coeffs.alpha)))
+    if coeffs.uniform is not None:
+        p.sub_(col(coeffs.uniform))
+    if coeffs.g_lp is not None:
+        column, inside = _target_in_tile(targets[rows], v0, cols)
+        p.scatter_add_(1, column, (coeffs.g_lp[rows] * inside.to(p.dtype)).unsqueeze(1))
+    return spec.transform.chain_(p, slope_src, math_.stat_buffer("slope", n_rows, cols))
+
+
+def _fused_logit_gradient(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
+                          lse: Tensor, mu: Tensor, mu_d: Tensor, coeffs: _RowGradients, targets: Optional[Tensor],
+                          want_column_sums: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`_logit_gradient_` as one compiled kernel: the tile's gradient as a matmul operand, and its column sums."""
+    at = lambda t: None if t is None else t[rows]  # noqa: E731
+    transform = spec.transform
+    return tile_logit_gradient(
+        z, ref_z, lse[rows], at(mu) if coeffs.g_ent is not None else None, at(mu_d) if coeffs.g_kl is not None else None,
+        coeffs.alpha[rows], at(coeffs.g_ent), at(coeffs.g_kl), at(coeffs.uniform), at(coeffs.g_lp),
+        at(targets) if coeffs.g_lp is not None else None, v0,
+        transform.softcap, transform.linear_scale, transform.inv_temperature, math_.matmul_dtype, want_column_sums)
+
+
+def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
+                    ref_bias: Optional[Tensor], lse: Tensor, mu: Tensor, mu_d: Tensor, keep: Optional[Tensor],
+                    need_h: bool, need_w: bool, need_b: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The tiled backward: ``(grad_hidden, grad_weight, grad_bias)``, the hidden gradient of the counted rows only.
+
+    Its own function so that every tile buffer (the workspace and each view of it) is released when it
+    returns, before the caller makes the full-size hidden gradient of a masked call.
+    """
+    n, vocab, size = _pass_rows(hidden, keep), weight.shape[0], weight.shape[1]
+    math_ = _tile_math(spec, n, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
+    stat_dtype, device = math_.stat_dtype, hidden.device
+    coeffs = _RowGradients.from_upstream(spec, grads, n, vocab, stat_dtype, device)
+    stat_bias = None if bias is None else bias.to(stat_dtype)
+    stat_ref_bias = None if ref_bias is None else ref_bias.to(stat_dtype)
+    rt, vt = spec.row_tile, spec.vocab_tile
+    block_rows = rt * _SUPER_BLOCK_ROW_TILES
+    # fp32 hidden states: the output itself is the accumulator; otherwise one super-block's
+    # fp32 accumulator is written into the output when the block is done. When only the rows
+    # ``keep`` count, the output is first theirs alone, scattered into a zero gradient of all
+    # rows at the very end, once the tile buffers are gone.
+    direct_gh = need_h and hidden.dtype == stat_dtype
+    grad_h = None
+    if need_h:
+        shape = hidden.shape if keep is None else (n, size)
+        grad_h = torch.zeros(shape, dtype=stat_dtype, device=device) if direct_gh else torch.empty(shape, dtype=hidden.dtype, device=device)
+    # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out=.
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
+    direct_gw = need_w and weight.dtype == stat_dtype
+    grad_b_acc = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_b else None
+
+    with _NoAutocast(device.type), torch.no_grad():
+        values = not is_fake(hidden)
+        for s0 in tile_starts(0, n, block_rows, values=values):
+            s1 = min(s0 + block_rows, n)
+            first_block, one_row_tile = s0 == 0, s1 - s0 <= rt
+            gh_block = None
+            if need_h:
+                gh_block = grad_h[s0:s1] if direct_gh else math_.ws.get("gh", s1 - s0, size, min(block_rows, n) * size, stat_dtype).zero_()
+            for v0 in tile_starts(0, vocab, vt, values=values):
+                v1 = min(v0 + vt, vocab)
+                w = math_.operand("w", weight[v0:v1], vt)
+                ref_w = math_.operand("ref_w", ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
+                gw_tile, overwrite_gw = None, False
+                # One row-tile product per vocabulary tile, already in the weight's dtype: it
+                # goes straight into the gradient (the fp32 tile would only round-trip it).
+                straight_gw = (need_w and not direct_gw and first_block and one_row_tile
+                               and weight.dtype == math_.matmul_dtype and not math_.fp32_out)
+                if need_w and not straight_gw:
+                    # fp32 weights accumulate straight into the gradient across all blocks; a
+                    # low-precision weight gets each block's fp32 tile sum added once (below).
+                    gw_tile = grad_w[v0:v1] if direct_gw else math_.ws.get("gw", v1 - v0, size, vt * size, stat_dtype)
+                    overwrite_gw = first_block or not direct_gw
+                    if overwrite_gw and not one_row_tile:
+                        gw_tile.zero_()
+                for r0 in tile_starts(s0, s1, rt, values=values):
+                    r1 = min(r0 + rt, s1)
+                    h = _row_tile(math_, "h", hidden, keep, r0, r1)
+                    z = math_.logits("z", h, w, stat_bias, v0, v1)
+                    ref_z = None
+                    if ref_w is not None:
+                        ref_z = math_.logits("ref_z", _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1), ref_w, stat_ref_bias, v0, v1)
+                    if math_.fused:
+                        operand, column_sums = _fused_logit_gradient(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d,
+                                                                     coeffs, targets, need_b)
+                    else:
+                        grad_raw = _logit_gradient_(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d, coeffs, targets)
+                        operand, column_sums = math_.grad_operand(grad_raw), grad_raw.sum(0) if need_b else None
+                    if need_h:
+                        math_.accumulate("gh_p", gh_block[r0 - s0 : r1 - s0], operand, w, overwrite=False)
+                    if straight_gw:
+                        torch.mm(operand.t(), h, out=grad_w[v0:v1])
+                    elif need_w:
+                        math_.accumulate("gw_p", gw_tile, operand.t(), h, overwrite=overwrite_gw and one_row_tile)
+                    if need_b:
+                        grad_b_acc[v0:v1] += column_sums
+                if need_w and not direct_gw and not straight_gw:
+                    # Each block's fp32 tile sum is rounded once into the bf16/fp16 gradient, as
+                    # gradient accumulation over micro-batches would; an fp32 copy of the whole
+                    # weight gradient is deliberately never made.
+                    grad_w[v0:v1].copy_(gw_tile) if first_block else grad_w[v0:v1].add_(gw_tile)
+            if need_h and not direct_gh:
+                grad_h[s0:s1].copy_(gh_block)
+    grad_b = grad_b_acc.to(bias.dtype) if need_b else None
+    return grad_h, grad_w, grad_b
