@@ -109,3 +109,42 @@ def test_where_the_compiled_tiles_run(monkeypatch):
     monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "yes")
     with pytest.raises(ValueError, match="LIT_MEMOPT_FUSED_TILES must be one of"):
         use_fused_tiles(cuda, fake=False)
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_maths_with_one_warning(monkeypatch):
+    import lit_memopt.ops._fused_tiles as fused_tiles
+
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("no working C++ compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(fused_tiles, "fold_tile", fused_tiles._compiled(fused_tiles._fold_tile))
+    monkeypatch.setattr(fused_tiles, "tile_logit_gradient", fused_tiles._compiled(fused_tiles._tile_logit_gradient))
+    import lit_memopt.ops._head_passes as passes
+
+    monkeypatch.setattr(passes, "fold_tile", fused_tiles.fold_tile)
+    monkeypatch.setattr(passes, "tile_logit_gradient", fused_tiles.tile_logit_gradient)
+    with pytest.warns(RuntimeWarning, match="compiling the fused head's tile kernels failed") as caught:
+        out, grads = run("logprobs_entropy", True, monkeypatch)
+    assert len(caught) == 2  # once per function, not once per tile
+    want_out, want_grads = reference("logprobs_entropy")
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+
+
+def test_an_out_of_memory_error_inside_a_compiled_kernel_reaches_the_caller(monkeypatch):
+    import lit_memopt.ops._fused_tiles as fused_tiles
+
+    def oom_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run
+
+    monkeypatch.setattr(torch, "compile", oom_compile)
+    call = fused_tiles._compiled(fused_tiles._fold_tile)
+    z = torch.zeros(2, 3)
+    with pytest.raises(torch.OutOfMemoryError):
+        call(z, None, z[:, 0], z[:, 0], None, None, None, None, 0, None, None, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -40,15 +41,35 @@ def use_fused_tiles(device: torch.device, fake: bool) -> bool:
 
 
 def _compiled(fn: Callable) -> Callable:
-    """``fn`` compiled once per process (dynamic shapes: full and edge tiles share one kernel)."""
-    compiled = None
+    """``fn`` compiled once per process (dynamic shapes: full and edge tiles share one kernel).
+
+    Where compiling fails (no working Triton or C++ compiler, an unsupported device) the process warns
+    once and runs ``fn`` eagerly from then on: same results, more passes over each tile. An
+    out-of-memory error is never swallowed: OOMRecovery and the caller must see it.
+    """
+    compiled: Optional[Callable] = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True)
-        return compiled(*args, **kwargs)
+        if compiled is fn:
+            return fn(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager maths are the same
+            warnings.warn(
+                f"lit_memopt: compiling the fused head's tile kernels failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); running them eagerly from now on "
+                f"(same results, slower on a GPU). Set {_ENV}=0 to skip the attempt.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            compiled = fn
+            return fn(*args, **kwargs)
 
     return call
 
