@@ -15,6 +15,7 @@ from lit_memopt.ops import (
     linear_self_certainty,
     ppo_clip_loss,
 )
+from lit_memopt.ops._head_tiles import native_low_precision_matmul
 
 IGNORE = -100
 
@@ -137,13 +138,30 @@ def test_fast_precision_bf16_is_as_accurate_as_bf16_logits(op):
     assert fast.dtype == exact.dtype == torch.float32
     torch.testing.assert_close(fast.double(), reference(raw_bf16.detach()), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(exact.double(), reference(exact_z.detach()), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fns[op]().double(), fast.double(), rtol=0, atol=0)  # "auto" is "fast" for bf16
+    # "auto" is "fast" for bf16 where the CPU multiplies bf16 natively, "exact" where it would emulate it
+    auto_is = fast if native_low_precision_matmul(hidden.device, torch.bfloat16) else exact
+    torch.testing.assert_close(fns[op]().double(), auto_is.double(), rtol=0, atol=0)
     want = grads(reference(exact_z), (hidden, weight, b))
     for got in (grads(fast, (hidden, weight, b)), grads(exact, (hidden, weight, b))):
         for g, w in zip(got, want):
             assert g.dtype == torch.bfloat16
             scale = w.abs().max().item()
             assert (g.double() - w).abs().max().item() <= 0.02 * scale
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_follows_native_low_precision_matmuls(native, monkeypatch):
+    # Emulated bf16 matmuls (an AVX2-only CPU) are far slower than fp32 ones: "auto" then multiplies fp32
+    # tiles, while an explicit "fast" is always honoured and fp32 inputs never go low.
+    from lit_memopt.ops import _head_tiles
+
+    monkeypatch.setattr(_head_tiles, "native_low_precision_matmul", lambda device, dtype: native)
+    low = torch.zeros(2, 3, dtype=torch.bfloat16)
+    assert _head_tiles.resolve_precision("auto", low, low) is native
+    assert _head_tiles.resolve_precision("fast", low, low) is True
+    assert _head_tiles.resolve_precision("exact", low, low) is False
+    assert _head_tiles.resolve_precision("auto", low.float(), low.float()) is False
+    assert _head_tiles.resolve_precision("auto", low, low.float()) is False  # mixed dtypes: fp32 tiles
 
 
 def test_fp32_inputs_ignore_precision():

@@ -3,9 +3,11 @@ and the head weight tile by tile, so that no ``[tokens, vocab]`` logits tensor e
 
 Softmax statistics are always kept in fp32 (float64 for float64 inputs). The tile matmuls follow
 the ``precision`` argument (see :func:`lit_memopt.ops._head_tiles.resolve_precision`): ``"exact"``
-multiplies fp32 copies of each tile; ``"fast"`` (the default for bf16/fp16 heads) multiplies in the
-inputs' dtype. Rows that count for nothing (``ignore_index`` targets, ``mask`` False) are dropped
-before the first matmul, so prompt and padding tokens cost neither time nor memory.
+multiplies fp32 copies of each tile; ``"fast"`` multiplies in the inputs' dtype. ``"auto"`` is
+``"fast"`` for bf16/fp16 heads on devices that multiply that dtype natively (CUDA, CPUs with
+AVX512-BF16/AMX) and ``"exact"`` where bf16 matmuls are emulated (AVX2-only CPUs), which is faster
+there. Rows that count for nothing (``ignore_index`` targets, ``mask`` False) are dropped before the
+first matmul, so prompt and padding tokens cost neither time nor memory.
 
 This module holds the public ops, their argument handling (``run_head``) and the autograd Function;
 the tiled passes themselves are in ``_head_passes.py``, the tile planning and casting in ``_head_tiles.py``.
