@@ -217,7 +217,8 @@ _COMMON_ARGS = """
         final_logit_softcapping: ``cap`` (> 0) applies ``cap * tanh(z / cap)`` (Gemma-style); ``None`` for none.
         precision: ``"exact"`` multiplies fp32 tiles; ``"fast"`` multiplies bf16/fp16 tiles (fp32
             accumulation on CUDA, logits rounded to the input dtype on the CPU) with fp32 softmax
-            statistics; ``"auto"`` (default) is ``"fast"`` when the head tensors share a bf16/fp16 dtype.
+            statistics; ``"auto"`` (default) is ``"fast"`` when the head tensors share a bf16/fp16 dtype
+            that the device multiplies natively (CUDA; CPUs with AVX512-BF16/AMX), else ``"exact"``.
             On CUDA each tile's softmax maths run as kernels compiled by ``torch.compile`` (the first
             call compiles them; ``LIT_MEMOPT_FUSED_TILES=0`` keeps them eager, ``=1`` compiles them on a CPU too).
 """
