@@ -147,16 +147,13 @@ def add_grpo_logps(x: Inputs, sequence_length: int) -> None:
     x["ref_logp"] = (logp + x["ref_noise"]).view(seqs, -1)
 
 
-def _inputs_in(x: Inputs, dtype: torch.dtype) -> Inputs:
-    """The same values in another float dtype (the float64 reference), as fresh leaves."""
+def _inputs_in(x: Inputs, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> Inputs:
+    """The same values in another float dtype (the float64 reference) and/or on another device, with
+    ``hidden`` and ``weight`` as fresh leaves."""
     out = {}
     for key, t in x.items():
-        if t.is_floating_point() and key in ("hidden", "weight"):
-            out[key] = t.detach().to(dtype).requires_grad_()
-        elif t.is_floating_point():
-            out[key] = t.to(dtype)
-        else:
-            out[key] = t
+        t = t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+        out[key] = t.detach().requires_grad_() if key in ("hidden", "weight") else t
     return out
 
 

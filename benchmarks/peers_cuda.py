@@ -40,6 +40,7 @@ from benchmarks._peer_methods import (
     Inputs,
     Method,
     _clear_grads,
+    _inputs_in,
     add_grpo_logps,
     make_inputs,
     methods_for,
@@ -52,13 +53,8 @@ BIG_SHAPE = FAKE_MEMORY_SHAPE  # Qwen3-4B head, 8192 tokens
 REPS, BIG_REPS = 20, 8
 
 
-def on_device(x: Inputs, device: torch.device) -> Inputs:
-    """The inputs on ``device``; ``hidden`` and ``weight`` as fresh leaves."""
-    return {k: (t.detach().to(device).requires_grad_() if k in ("hidden", "weight") else t.to(device)) for k, t in x.items()}
-
-
 def inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> Inputs:
-    x = on_device(make_inputs(shape, dtype, sequence_length=SEQUENCE_LENGTH), device)
+    x = _inputs_in(make_inputs(shape, dtype, sequence_length=SEQUENCE_LENGTH), device=device)
     add_grpo_logps(x, SEQUENCE_LENGTH)
     return x
 

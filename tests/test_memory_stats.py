@@ -62,7 +62,7 @@ def test_unsupported_device_is_rejected():
         memory_snapshot("meta")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda  # skips itself without a GPU (conftest.py); `pytest -m cuda` selects it
 def test_cuda_snapshot_matches_allocator():
     reset_peak_memory("cuda")
     x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")

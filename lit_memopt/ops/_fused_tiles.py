@@ -138,6 +138,3 @@ def _tile_logit_gradient(z: Tensor, ref_z: Optional[Tensor], lse: Tensor, mu: Op
 
 fold_tile = _compiled(_fold_tile)
 tile_logit_gradient = _compiled(_tile_logit_gradient)
-# The same maths uncompiled, for tests that compare the two.
-fold_tile_eager = _fold_tile
-tile_logit_gradient_eager = _tile_logit_gradient
