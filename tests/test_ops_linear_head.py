@@ -387,6 +387,28 @@ def test_fast_tiles_are_wider_only_below_the_cap():
             assert (rows, cols) == _tile_sizes(None, n, h, v, cpu)
 
 
+def test_cuda_tiles_have_a_larger_floor_and_the_same_cap(monkeypatch):
+    """Small shapes get fewer, larger tiles on CUDA (a GPU pass is bound by the work per tile); shapes at the
+    cap tile as on a CPU. The policy is pure arithmetic on the device type, so it is checked here without a GPU
+    (the free-memory cap needs one: tests/test_cuda.py)."""
+    from lit_memopt.ops._head_tiles import CUDA_MIN_TILE_ELEMENTS, MAX_TILE_ELEMENTS, tile_sizes
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no free-memory cap, GPU or not
+    rows, cols = tile_sizes(None, 2048, 512, 32000, cuda)
+    assert rows == 2048 and rows * cols == CUDA_MIN_TILE_ELEMENTS  # 4x the CPU's 2048 x 512 tile
+    assert tile_sizes(None, 2048, 512, 32000, cpu) == (2048, 512)
+    for n, h, v in [(8192, 2560, 151936), (64 * 6144, 4096, 151936)]:  # at the cap
+        for fast in (False, True):
+            assert tile_sizes(None, n, h, v, cuda, fast=fast) == tile_sizes(None, n, h, v, cpu, fast=fast)
+    for n, h, v in [(3, 7, 11), (100000, 64, 50), (4096, 1024, 50000)]:
+        rows, cols = tile_sizes(None, n, h, v, cuda, fast=True)
+        assert 1 <= rows <= n and 1 <= cols <= v and rows * cols <= MAX_TILE_ELEMENTS
+    # masking still shrinks the tile in proportion
+    rows, cols = tile_sizes(None, 512, 512, 32000, cuda, total_rows=2048)
+    assert rows * cols <= CUDA_MIN_TILE_ELEMENTS // 4 * 1.2
+
+
 def test_tiles_shrink_with_the_share_of_rows_that_count():
     """With 75% of the rows masked the tile budget is a quarter of the unmasked one, even at the cap."""
     from lit_memopt.ops.linear_head import _tile_sizes
