@@ -122,9 +122,9 @@ def test_self_certainty_reward_matches_plain_logits():
 
     original = intuitor.group_advantages
 
-    def spy(rewards, group_size, eps):
+    def spy(rewards, group_size, eps, **kwargs):
         captured["rewards"] = rewards.clone()
-        return original(rewards, group_size, eps)
+        return original(rewards, group_size, eps, **kwargs)
 
     intuitor.group_advantages = spy
     try:
@@ -152,6 +152,8 @@ def test_argument_errors():
         IntuitorModule(config, accuracy_weight=1.5)
     with pytest.raises(ValueError, match="temperature"):
         IntuitorModule(config, temperature=0.0)
+    with pytest.raises(ValueError, match="module.scale_rewards must be one of"):
+        IntuitorModule(config, scale_rewards="batch")
     module = IntuitorModule(config, accuracy_weight=0.5)
     with pytest.raises(ValueError, match="checker"):
         module.setup("fit")

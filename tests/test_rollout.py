@@ -184,6 +184,18 @@ def test_group_advantages_zero_mean_unit_std_per_group():
         group_advantages(rewards, group_size=0)
 
 
+def test_group_advantages_without_std_scaling_are_the_centred_rewards():
+    """``scale="none"`` (Dr. GRPO): a group that differs by little moves the policy by little."""
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0, 0.01, 0.0, 0.0, 0.03])
+    adv = group_advantages(rewards, group_size=4, scale="none").view(3, 4)
+    grouped = rewards.view(3, 4)
+    torch.testing.assert_close(adv, grouped - grouped.mean(dim=1, keepdim=True))
+    assert adv[2].abs().max() < 0.03  # against about 1.4 with the group std scaling
+    assert group_advantages(rewards, group_size=4).view(3, 4)[2].abs().max() > 1.0
+    with pytest.raises(ValueError, match="scale_rewards='batch'"):
+        group_advantages(rewards, group_size=4, scale="batch")
+
+
 def test_identical_responses_share_one_reward_and_rounding_is_no_signal():
     from lit_memopt.modules.rollout import Rollout, share_rewards_of_identical_responses
 

@@ -21,6 +21,7 @@ from lit_memopt.modules.rollout import (
     Rollout,
     scatter_response,
     generate,
+    SCALE_REWARDS,
     group_advantages,
     share_rewards_of_identical_responses,
     is_peft_model,
@@ -74,6 +75,8 @@ class IntuitorModule(pl.LightningModule):
         kl_coef: weight ``beta`` of the k3 KL penalty to the reference; 0 skips the reference pass.
         accuracy_weight: weight ``w`` in ``[0, 1]`` of the verifiable-accuracy reward.
         advantage_eps: added to each group's reward std before dividing.
+        scale_rewards: ``"group"`` divides each group's centred rewards by the group's std (GRPO);
+            ``"none"`` does not (Dr. GRPO; see :func:`~lit_memopt.modules.rollout.group_advantages`).
         reference_micro_batch_size: rollouts per reference forward (``None``: all at once).
         chunk_size: tile of the fused head ops (``None``: automatic).
         gradient_checkpointing: transformers' non-reentrant activation checkpointing.
@@ -121,6 +124,7 @@ class IntuitorModule(pl.LightningModule):
         kl_coef: float = 0.005,
         accuracy_weight: float = 0.0,
         advantage_eps: float = 1e-6,
+        scale_rewards: str = "group",
         reference_micro_batch_size: int | None = None,
         chunk_size: int | None = None,
         gradient_checkpointing: bool = False,
@@ -142,6 +146,7 @@ class IntuitorModule(pl.LightningModule):
         _check(kl_coef >= 0, "kl_coef", kl_coef, ">= 0")
         _check(0 <= accuracy_weight <= 1, "accuracy_weight", accuracy_weight, "in [0, 1]")
         _check(advantage_eps > 0, "advantage_eps", advantage_eps, "> 0")
+        _check(scale_rewards in SCALE_REWARDS, "scale_rewards", scale_rewards, f"one of {list(SCALE_REWARDS)}")
         if reference_micro_batch_size is not None:
             _check(int(reference_micro_batch_size) >= 1, "reference_micro_batch_size", reference_micro_batch_size, ">= 1 or null")
         self.save_hyperparameters(ignore=["model_config", "tokenizer", "checker", "warm_start"])
@@ -272,7 +277,7 @@ class IntuitorModule(pl.LightningModule):
             if accuracy is not None and hp.accuracy_weight > 0:
                 reward = (1.0 - hp.accuracy_weight) * reward + hp.accuracy_weight * accuracy
             truncated = self._truncated(rollout)
-            advantages = group_advantages(reward, group, hp.advantage_eps)
+            advantages = group_advantages(reward, group, hp.advantage_eps, scale=hp.get("scale_rewards", "group"))
 
         loss = ppo_clip_loss(
             logp,

@@ -429,8 +429,17 @@ def share_rewards_of_identical_responses(rewards: torch.Tensor, rollout: Rollout
     return out
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, tie_tolerance: float = 1e-6) -> torch.Tensor:
+SCALE_REWARDS = ("group", "none")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, tie_tolerance: float = 1e-6,
+                     scale: str = "group") -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's std (+ ``eps``).
+
+    ``scale="none"`` leaves out the division (Dr. GRPO; TRL's ``scale_rewards="none"``): a group whose
+    rewards differ by little then moves the policy by little, instead of as much as a group whose
+    responses differ in kind. A batch-wide std (TRL's ``"batch"``) is not offered: it would make a
+    step's update depend on how a callback splits it into micro-batches.
 
     ``rewards`` is ``[N]`` with ``N = num_groups * group_size`` and the members of a group contiguous
     (the :func:`generate` layout). The std is the population std (``correction=0``), so a group of
@@ -442,7 +451,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, 
     differ in their last bits: pass them through :func:`share_rewards_of_identical_responses` first.
 
     Raises:
-        ValueError: on a bad ``group_size`` or a reward count that is not a multiple of it.
+        ValueError: on a bad ``group_size``, a reward count that is not a multiple of it, or an unknown ``scale``.
 
     Example::
 
@@ -455,11 +464,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, 
             f"rewards must be a 1-D tensor whose length is a multiple of group_size={group_size}, "
             f"got shape {tuple(rewards.shape)}."
         )
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale!r} is not supported; use one of {list(SCALE_REWARDS)}.")
     grouped = rewards.float().view(-1, int(group_size))
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True, correction=0)
     tied = std <= tie_tolerance * mean.abs().clamp_min(1.0)
-    return torch.where(tied, 0.0, (grouped - mean) / (std + eps)).view(-1)
+    centred = grouped - mean
+    return torch.where(tied, 0.0, centred / (std + eps) if scale == "group" else centred).view(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
