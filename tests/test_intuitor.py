@@ -144,6 +144,36 @@ def test_self_certainty_reward_matches_plain_logits():
     torch.testing.assert_close(captured["rewards"], expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale_rewards", ["group", "none"])
+def test_scale_rewards_reaches_the_advantages(monkeypatch, scale_rewards):
+    """``module.scale_rewards`` decides the advantages of the step: centred rewards, divided by the group's std
+    only under ``"group"``."""
+    import lit_memopt.modules.intuitor as intuitor
+
+    torch.manual_seed(0)
+    config = _config()
+    tokenizer = config.build_tokenizer()
+    module = IntuitorModule(config, tokenizer, num_samples=4, max_new_tokens=4, kl_coef=0.0, scale_rewards=scale_rewards)
+    seen = {}
+    original = intuitor.group_advantages
+
+    def spy(rewards, group_size, eps, **kwargs):
+        seen["rewards"], seen["scale"] = rewards.clone(), kwargs.get("scale")
+        seen["advantages"] = original(rewards, group_size, eps, **kwargs)
+        return seen["advantages"]
+
+    monkeypatch.setattr(intuitor, "group_advantages", spy)
+    _Logged(module)
+    module.training_step(_batch(tokenizer, ["5+5=", "max(1,2)="], ["10", "2"]), 0)
+    assert seen["scale"] == scale_rewards
+    grouped = seen["rewards"].view(2, 4)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    expected = centred / (grouped.std(dim=1, keepdim=True, correction=0) + 1e-6) if scale_rewards == "group" else centred
+    # distinct samples of a random model differ by ~1e-4 in self-certainty: the two scalings are far apart
+    assert centred.abs().max() > 1e-5 and (centred / (grouped.std(dim=1, keepdim=True, correction=0) + 1e-6)).abs().max() > 0.5
+    torch.testing.assert_close(seen["advantages"].view(2, 4), expected, rtol=1e-4, atol=1e-8)
+
+
 def test_argument_errors():
     config = _config()
     with pytest.raises(ValueError, match="num_samples"):
