@@ -216,8 +216,8 @@ def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, d
     gradient's error then equals a full-logits implementation's), and the weight tile, already
     in the matmul dtype, needs no copy.
 
-    With ``fused`` (compiled tile kernels) on CUDA both budgets double: those kernels keep no
-    tile-sized scratch buffers besides the logits tile, and a GPU pass is bound by the Python work
+    With ``fused`` (compiled tile kernels) on CUDA the cap on both budgets doubles: those kernels keep
+    no tile-sized scratch buffers besides the logits tile, and a GPU pass is bound by the Python work
     per tile, so fewer, larger tiles are faster for the same memory. For the same reason a CUDA
     budget is never below ``CUDA_MIN_TILE_ELEMENTS`` (before the masked-rows share), where a CPU's
     follows ``hidden`` down to ``MIN_TILE_ELEMENTS``.
