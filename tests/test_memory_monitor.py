@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -124,22 +125,23 @@ def test_log_cadence_follows_trainer(tmp_path):
 def test_phase_peaks_order_backward_above_forward_above_optimizer(tmp_path):
     # Forward touches 48 MiB of scratch, backward 160 MiB, the SGD step on 17 parameters nothing:
     # glibc serves such blocks with mmap and unmaps them on free, so each phase's RSS peak shows them.
-    # One intra-op thread, so the scratch pages are faulted in from one CPU. Once in a clean-clone CI run the
-    # optimizer phase reported exactly the forward peak: the reset had not taken. The likely cause is that
-    # Linux keeps a process's RSS in per-CPU counters, which clear_refs reads approximately, so pages
-    # written and freed from two CPUs can leave the reset peak at a stale, higher value.
+    # One intra-op thread, so the scratch pages are faulted in from one CPU. Twice in about 30 clean-clone CI
+    # runs one step's optimizer phase reported exactly the forward peak (the RSS peak reset had not taken for
+    # that window; 3000 reset-after-free cycles in a loop never reproduced it). So the order is checked on the
+    # median step of 5, per phase, from the monitor's per-step history: a systematic mis-attribution still
+    # fails, one stale kernel reset does not.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         monitor = MemoryMonitor(write_report=False)
-        trainer = _trainer(tmp_path, [monitor], max_steps=3, logger=False)
+        trainer = _trainer(tmp_path, [monitor], max_steps=5, logger=False)
         trainer.fit(_Model(forward_mib=48, backward_mib=160), train_dataloaders=_loader())
     finally:
         torch.set_num_threads(threads)
-    m = monitor.metrics
-    assert m.peak_backward_bytes - m.peak_forward_bytes > 80 * MIB
-    assert m.peak_forward_bytes - m.peak_optimizer_bytes > 24 * MIB
-    assert m.peak_bytes == m.peak_backward_bytes
+    assert len(monitor._history) == 5
+    forward, backward, optimizer = (statistics.median(step[i] for step in monitor._history) for i in range(3))  # MiB
+    assert backward - forward > 80 and forward - optimizer > 24, (forward, backward, optimizer)
+    assert monitor.metrics.peak_bytes == monitor.metrics.peak_backward_bytes
 
 
 def test_gradient_accumulation_ratio_and_oom_event(tmp_path):
