@@ -125,9 +125,9 @@ def test_log_cadence_follows_trainer(tmp_path):
 def test_phase_peaks_order_backward_above_forward_above_optimizer(tmp_path):
     # Forward touches 48 MiB of scratch, backward 160 MiB, the SGD step on 17 parameters nothing:
     # glibc serves such blocks with mmap and unmaps them on free, so each phase's RSS peak shows them.
-    # One intra-op thread, so the scratch pages are faulted in from one CPU. Twice in about 30 clean-clone CI
-    # runs one step's optimizer phase reported exactly the forward peak (the RSS peak reset had not taken for
-    # that window; 3000 reset-after-free cycles in a loop never reproduced it). So the order is checked on the
+    # One intra-op thread, so the scratch pages are faulted in from one CPU. In two clean-clone CI runs (of many)
+    # the optimizer phase reported exactly the forward peak (the RSS peak reset had not taken for that window;
+    # 3000 reset-after-free cycles in a loop never reproduced it). So the order is checked on the
     # median step of 5, per phase, from the monitor's per-step history: a systematic mis-attribution still
     # fails, one stale kernel reset does not.
     threads = torch.get_num_threads()
