@@ -277,7 +277,7 @@ class IntuitorModule(pl.LightningModule):
             if accuracy is not None and hp.accuracy_weight > 0:
                 reward = (1.0 - hp.accuracy_weight) * reward + hp.accuracy_weight * accuracy
             truncated = self._truncated(rollout)
-            advantages = group_advantages(reward, group, hp.advantage_eps, scale=hp.get("scale_rewards", "group"))
+            advantages = group_advantages(reward, group, hp.advantage_eps, scale=hp.scale_rewards)
 
         loss = ppo_clip_loss(
             logp,
