@@ -106,3 +106,23 @@ def test_the_gpu_benchmark_times_compiled_against_eager_tiles_and_leaves_the_set
     assert os.environ["LIT_MEMOPT_FUSED_TILES"] == "auto"
     assert c["absent"] and "TRL ChunkedLogProbFunction" in peers_cuda.to_markdown(
         {"gpu": "test", "torch": torch.__version__, "triton": None, "command": "test", "peers": [], "cases": [c]})
+
+
+def test_the_gpu_tile_sweep_runs_each_tile_size_and_the_automatic_choice(
+        only_a_missing_peer: dict[str, peers.Peer], monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/tile_sweep_cuda.py's case, run on the CPU with the CUDA timers and counters stubbed.
+    from benchmarks import tile_sweep_cuda
+
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    c = tile_sweep_cuda.sweep_case(torch.float32, "exact", only_a_missing_peer, shape=TINY, vocab_tiles=(128, 500),
+                                   reps=2, device="cpu")
+    names = [r["method"] for r in c["rows"]]
+    assert names == [peers.NAIVE, 'lit-memopt "exact", automatic tiles', 'lit-memopt "exact", tiles 64x128',
+                     'lit-memopt "exact", tiles 64x500']
+    assert all(r["median_ms"] > 0 and r["ratio_vs_cce"] is None for r in c["rows"])  # Cut Cross-Entropy is absent
+    assert c["automatic_tiles"][0] == TINY["tokens"] and "aten::mm" in c["profile"]
+    report = tile_sweep_cuda.to_markdown({"gpu": "test", "torch": torch.__version__, "cuda_min_tile_elements": 1, "cases": [c]})
+    assert "tiles 64x128" in report and "N=64, H=32, V=500 (2 repetitions" in report

@@ -396,7 +396,7 @@ def test_cuda_tiles_have_a_larger_floor_and_the_same_cap(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no free-memory cap, GPU or not
     rows, cols = tile_sizes(None, 2048, 512, 32000, cuda)
-    assert rows == 2048 and rows * cols == CUDA_MIN_TILE_ELEMENTS  # 4x the CPU's 2048 x 512 tile
+    assert rows == 2048 and rows * cols == CUDA_MIN_TILE_ELEMENTS  # 8x the CPU's 2048 x 512 tile
     assert tile_sizes(None, 2048, 512, 32000, cpu) == (2048, 512)
     for n, h, v in [(8192, 2560, 151936), (64 * 6144, 4096, 151936)]:  # at the cap
         for fast in (False, True):
