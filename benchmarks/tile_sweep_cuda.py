@@ -25,6 +25,7 @@ from benchmarks._results import write_results
 from benchmarks.peers import load_peers
 from benchmarks.peers_cuda import _fmt_bytes, _step, inputs, peak_extra
 from lit_memopt.ops import linear_logprobs
+from lit_memopt.ops._fused_tiles import use_fused_tiles
 from lit_memopt.ops._head_tiles import CUDA_MIN_TILE_ELEMENTS, tile_sizes
 
 VOCAB_TILES = (1024, 2048, 4096, 8192, 16384, 32000)
@@ -44,8 +45,8 @@ def sweep_case(dtype: torch.dtype, precision: str, peers: dict, *, shape: dict[s
     device = torch.device(device)
     x = inputs(shape, dtype, device)
     n, h, v = shape["tokens"], shape["hidden"], shape["vocab"]
-    auto = tile_sizes(None, n, h, v, device, fast=precision == "fast", fused=True)
-    baseline, _ = methods_for("logprobs", dtype, peers, device="cuda")
+    auto = tile_sizes(None, n, h, v, device, fast=precision == "fast", fused=use_fused_tiles(device, fake=False))
+    baseline, _ = methods_for("logprobs", dtype, peers, device=device.type)
     methods = [m for m in baseline if m.name in (NAIVE, CCE)]
     methods += [_lit(precision, None, n)] + [_lit(precision, vt, n) for vt in vocab_tiles]
     runs: list[Method] = []
