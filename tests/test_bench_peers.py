@@ -87,15 +87,20 @@ def test_judge_compares_with_the_peer_in_the_same_repetitions() -> None:
     assert verdict["met"] is None
 
 
-def test_the_gpu_benchmark_times_compiled_against_eager_tiles_and_leaves_the_setting_alone(
-        only_a_missing_peer: dict[str, peers.Peer], monkeypatch: pytest.MonkeyPatch) -> None:
-    # benchmarks/peers_cuda.py's comparison, run on the CPU with the CUDA timers and counters stubbed.
-    from benchmarks import peers_cuda
-
+@pytest.fixture
+def cuda_timers_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU benchmarks' synchronisation and allocator counters as no-ops, so their cases run on the CPU."""
     for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+
+
+def test_the_gpu_benchmark_times_compiled_against_eager_tiles_and_leaves_the_setting_alone(
+        only_a_missing_peer: dict[str, peers.Peer], cuda_timers_stubbed: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/peers_cuda.py's comparison, run on the CPU with the CUDA timers and counters stubbed.
+    from benchmarks import peers_cuda
+
     monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "auto")
     c = peers_cuda.compare("logprobs", torch.bfloat16, TINY, 2, only_a_missing_peer, exact=True, memory=True, device="cpu")
     rows = {r["method"]: r for r in c["rows"]}
@@ -109,14 +114,10 @@ def test_the_gpu_benchmark_times_compiled_against_eager_tiles_and_leaves_the_set
 
 
 def test_the_gpu_tile_sweep_runs_each_tile_size_and_the_automatic_choice(
-        only_a_missing_peer: dict[str, peers.Peer], monkeypatch: pytest.MonkeyPatch) -> None:
+        only_a_missing_peer: dict[str, peers.Peer], cuda_timers_stubbed: None) -> None:
     # benchmarks/tile_sweep_cuda.py's case, run on the CPU with the CUDA timers and counters stubbed.
     from benchmarks import tile_sweep_cuda
 
-    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
     c = tile_sweep_cuda.sweep_case(torch.float32, "exact", only_a_missing_peer, shape=TINY, vocab_tiles=(128, 500),
                                    reps=2, device="cpu")
     names = [r["method"] for r in c["rows"]]
