@@ -127,3 +127,12 @@ def test_the_gpu_tile_sweep_runs_each_tile_size_and_the_automatic_choice(
     assert c["automatic_tiles"][0] == TINY["tokens"] and "aten::mm" in c["profile"]
     report = tile_sweep_cuda.to_markdown({"gpu": "test", "torch": torch.__version__, "cuda_min_tile_elements": 1, "cases": [c]})
     assert "tiles 64x128" in report and "N=64, H=32, V=500 (2 repetitions" in report
+
+
+def test_the_gpu_only_benchmarks_say_so_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import rl_shapes_cuda, tile_sweep_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for module in (rl_shapes_cuda, tile_sweep_cuda):
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            module.main()
