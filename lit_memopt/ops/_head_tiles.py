@@ -23,7 +23,7 @@ PRECISIONS = ("auto", "exact", "fast")
 MAX_TILE_ELEMENTS = 1 << 23  # 32 MiB in fp32
 MIN_TILE_ELEMENTS = 1 << 18
 # On CUDA the smallest automatic tile is the CPU's cap (32 MiB in fp32): a GPU pass over small shapes is bound by
-# the host work per tile (0.35-0.5 ms: slicing, launches, and two calls of compiled tile kernels at about 60 µs
+# the host work per tile (0.35-0.5 ms: slicing, launches, and two calls of compiled tile kernels at about 60 us
 # each, guards or not), not by its matmuls. On an H200 at N=2048, H=512, V=32000
 # (benchmarks/results/tile_sweep_cuda_nvidia_h200.md) bf16 "fast" log-probs took 13.6 / 5.0 / 3.5 / 2.6 ms with
 # vocabulary tiles of 1024 / 4096 / 8192 / 16384 (Cut Cross-Entropy 2.7 ms, full logits 1.3 ms and 0.70 GiB).
