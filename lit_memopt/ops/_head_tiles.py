@@ -27,7 +27,7 @@ MIN_TILE_ELEMENTS = 1 << 18
 # each, guards or not), not by its matmuls. On an H200 at N=2048, H=512, V=32000
 # (benchmarks/results/tile_sweep_cuda_nvidia_h200.md) bf16 "fast" log-probs took 13.6 / 5.0 / 3.5 / 2.6 ms with
 # vocabulary tiles of 1024 / 4096 / 8192 / 16384 (Cut Cross-Entropy 2.7 ms, full logits 1.3 ms and 0.70 GiB).
-# This floor picks 8192 there (0.14 GiB) and 4096 for fp32 "exact" (96 MiB), where wider tiles gain under 6%;
+# This floor picks 8192 there (0.14 GiB) and 4096 for fp32 "exact" (96 MiB), where wider tiles gain 6-8%;
 # the next doubling would buy "fast" 25% for twice the memory.
 CUDA_MIN_TILE_ELEMENTS = 1 << 23
 # Compiled tile kernels on CUDA (ops/_fused_tiles.py) need fewer tile buffers: their tiles may be this much larger.
