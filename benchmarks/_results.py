@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def gpu_stem(gpu_name: str) -> str:
+    """A GPU's name as it appears in result file names: ``NVIDIA H200`` -> ``nvidia_h200``."""
+    return re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
 
 
 def write_results(stem: str, result: dict[str, Any], markdown: str) -> list[str]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import time
 import warnings
@@ -46,7 +45,7 @@ from benchmarks._peer_methods import (
     methods_for,
     objective,
 )
-from benchmarks._results import write_results
+from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
 
 BIG_SHAPE = FAKE_MEMORY_SHAPE  # Qwen3-4B head, 8192 tokens
@@ -207,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="only the small shape")
     args = parser.parse_args(argv)
     result = run(quick=args.quick)
-    gpu = re.sub(r"[^a-z0-9]+", "_", result["gpu"].lower()).strip("_")
+    gpu = gpu_stem(result["gpu"])
     written = write_results(f"peers_cuda_{gpu}" + ("_quick" if args.quick else ""), result, to_markdown(result))
     print(to_markdown(result))
     for path in written:

@@ -10,14 +10,13 @@ exactness check at these sizes. Run ``python -m benchmarks.rl_shapes_cuda`` on a
 
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Any
 
 import torch
 
 from benchmarks import peers_cuda
-from benchmarks._results import write_results
+from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
 
 TOKENS = (512, 2048, 8192)
@@ -44,7 +43,7 @@ def main() -> int:
                     torch.cuda.empty_cache()
     markdown = peers_cuda.to_markdown(result)
     print(markdown)
-    gpu = re.sub(r"[^a-z0-9]+", "_", result["gpu"].lower()).strip("_")
+    gpu = gpu_stem(result["gpu"])
     for path in write_results(f"rl_shapes_cuda_{gpu}", result, markdown):
         print(f"wrote {path}")
     return 0

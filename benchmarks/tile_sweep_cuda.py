@@ -12,7 +12,6 @@ Run ``python -m benchmarks.tile_sweep_cuda`` on a GPU machine; writes ``results/
 
 from __future__ import annotations
 
-import re
 import statistics
 import warnings
 from typing import Any, Callable, Optional
@@ -21,9 +20,9 @@ import torch
 
 from benchmarks._peer_measure import interleaved_times, paired_ratio
 from benchmarks._peer_methods import NAIVE, TIME_SHAPE, Inputs, Method, methods_for
-from benchmarks._results import write_results
+from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
-from benchmarks.peers_cuda import _fmt_bytes, _step, inputs, peak_extra
+from benchmarks.peers_cuda import _fmt_bytes, _step, inputs, peak_extra, runnable
 from lit_memopt.ops import linear_logprobs
 from lit_memopt.ops._fused_tiles import use_fused_tiles
 from lit_memopt.ops._head_tiles import CUDA_MIN_TILE_ELEMENTS, tile_sizes
@@ -49,14 +48,10 @@ def sweep_case(dtype: torch.dtype, precision: str, peers: dict, *, shape: dict[s
     baseline, _ = methods_for("logprobs", dtype, peers, device=device.type)
     methods = [m for m in baseline if m.name in (NAIVE, CCE)]
     methods += [_lit(precision, None, n)] + [_lit(precision, vt, n) for vt in vocab_tiles]
-    runs: list[Method] = []
-    for m in methods:  # a method that cannot run here is dropped, its reason printed
-        try:
-            _step(m, x)
-            runs.append(m)
-        except Exception as exc:  # noqa: BLE001 - reported, never faked
-            print(f"[tile_sweep] {m.name}: {type(exc).__name__}: {exc}".splitlines()[0][:300], flush=True)
-            torch.cuda.empty_cache()
+    absent: list[dict[str, str]] = []
+    runs = runnable(methods, x, absent)  # a method that cannot run here is dropped, its reason printed
+    for a in absent:
+        print(f"[tile_sweep] {a['method']}: {a['error']}", flush=True)
     times = interleaved_times(runs, x, reps, step=_step, warmups=2)
     rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]),
              "ratio_vs_naive": paired_ratio(times, m.name, NAIVE),
@@ -110,7 +105,7 @@ def main() -> int:
         for dtype, precision in ((torch.bfloat16, "fast"), (torch.float32, "exact")):
             print(f"[tile_sweep] {dtype} {precision}", flush=True)
             result["cases"].append(sweep_case(dtype, precision, peers))
-    gpu = re.sub(r"[^a-z0-9]+", "_", result["gpu"].lower()).strip("_")
+    gpu = gpu_stem(result["gpu"])
     print(to_markdown(result))
     for path in write_results(f"tile_sweep_cuda_{gpu}", result, to_markdown(result)):
         print(f"wrote {path}")
