@@ -1,5 +1,6 @@
 """The fused head beside its peers at RL-sized token counts on a GPU: a Qwen2.5-1.5B head (H=1536, V=151936)
-at N = 512, 2048 and 8192 tokens, bf16, log-probs and the GRPO loss.
+at N = 512, 2048 and 8192 tokens, bf16, log-probs and the GRPO loss; and the same log-probs with 75% of the rows
+ignored (``ignore_index``: the prompt part of each sequence, as in an RL batch) against the unmasked call.
 
 RL steps often score a few hundred to a few thousand tokens per micro-batch, where a GPU pass is bound by the host
 work per tile rather than by the matmuls (see ``tile_sweep_cuda.py``). Same measurement as ``peers_cuda.py``
@@ -10,18 +11,56 @@ exactness check at these sizes. Run ``python -m benchmarks.rl_shapes_cuda`` on a
 
 from __future__ import annotations
 
+import statistics
 import warnings
 from typing import Any
 
 import torch
 
 from benchmarks import peers_cuda
+from benchmarks._peer_measure import interleaved_times, paired_ratio
+from benchmarks._peer_methods import LIT_FAST, SEQUENCE_LENGTH, Method
 from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
+from lit_memopt.ops import linear_logprobs
 
 TOKENS = (512, 2048, 8192)
 HEAD = {"hidden": 1536, "vocab": 151936}  # Qwen2.5-1.5B
 REPS = 10
+MASKED_SHARE = 0.75  # the prompt share of each sequence
+MASKED = f'{LIT_FAST}, {MASKED_SHARE:.0%} of rows ignored'
+
+
+def masked_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, device: str = "cuda",
+                sequence_length: int = SEQUENCE_LENGTH) -> dict[str, Any]:
+    """``"fast"`` log-probs with the first 75% of every sequence's targets set to ``ignore_index``, against the
+    same call with every row counted, interleaved; times and peak extra memory of each."""
+    x = peers_cuda.inputs({"tokens": n, **head}, torch.bfloat16, torch.device(device))
+    prompt = torch.arange(n, device=x["targets"].device) % sequence_length < int(sequence_length * MASKED_SHARE)
+    masked_targets = x["targets"].masked_fill(prompt, -100)
+    methods = [
+        Method(LIT_FAST, lambda x: (linear_logprobs(x["hidden"], x["weight"], x["targets"], precision="fast"),)),
+        Method(MASKED, lambda x: (linear_logprobs(x["hidden"], x["weight"], masked_targets, precision="fast"),)),
+    ]
+    times = interleaved_times(methods, x, reps, step=peers_cuda._step, warmups=2)
+    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peers_cuda.peak_extra(m, x)}
+            for m in methods]
+    del x
+    torch.cuda.empty_cache()
+    return {"tokens": n, "counted_rows": int((~prompt).sum()), "rows": rows, "time_ratio": paired_ratio(times, MASKED, LIT_FAST),
+            "memory_ratio": rows[1]["extra_bytes"] / max(rows[0]["extra_bytes"], 1)}
+
+
+def masked_markdown(cases: list[dict[str, Any]]) -> str:
+    lines = ["", f"## logprobs · bfloat16 · H=1536, V=151936 · {MASKED_SHARE:.0%} of rows ignored vs none ({REPS} repetitions)", "",
+             "| N | counted rows | unmasked ms | masked ms | time ratio | unmasked extra memory | masked extra memory | memory ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in cases:
+        full, masked = c["rows"]
+        lines.append(f"| {c['tokens']} | {c['counted_rows']} | {full['median_ms']:.2f} | {masked['median_ms']:.2f} | "
+                     f"{c['time_ratio']:.2f}x | {peers_cuda._fmt_bytes(full['extra_bytes'])} | "
+                     f"{peers_cuda._fmt_bytes(masked['extra_bytes'])} | {c['memory_ratio']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -41,7 +80,11 @@ def main() -> int:
                 except torch.OutOfMemoryError as exc:
                     print(f"[rl_shapes] {op} {shape}: out of memory ({exc})".splitlines()[0], flush=True)
                     torch.cuda.empty_cache()
-    markdown = peers_cuda.to_markdown(result)
+        result["masked"] = []
+        for n in TOKENS:
+            print(f"[rl_shapes] masked logprobs N={n}", flush=True)
+            result["masked"].append(masked_case(n))
+    markdown = peers_cuda.to_markdown(result) + masked_markdown(result["masked"])
     print(markdown)
     gpu = gpu_stem(result["gpu"])
     for path in write_results(f"rl_shapes_cuda_{gpu}", result, markdown):

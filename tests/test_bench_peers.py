@@ -129,6 +129,19 @@ def test_the_gpu_tile_sweep_runs_each_tile_size_and_the_automatic_choice(
     assert "tiles 64x128" in report and "N=64, H=32, V=500 (2 repetitions" in report
 
 
+def test_the_gpu_rl_shapes_time_masked_rows_against_the_unmasked_call(cuda_timers_stubbed: None) -> None:
+    # benchmarks/rl_shapes_cuda.py's masked case, run on the CPU with the CUDA timers and counters stubbed.
+    from benchmarks import rl_shapes_cuda
+
+    c = rl_shapes_cuda.masked_case(TINY["tokens"], 2, head={"hidden": TINY["hidden"], "vocab": TINY["vocab"]}, device="cpu",
+                                   sequence_length=16)
+    assert c["counted_rows"] == 16  # the last 4 of each 16-token sequence
+    assert [r["method"] for r in c["rows"]] == [peers.LIT_FAST, rl_shapes_cuda.MASKED]
+    assert all(r["median_ms"] > 0 for r in c["rows"]) and c["time_ratio"] > 0
+    report = rl_shapes_cuda.masked_markdown([c])
+    assert "75% of rows ignored" in report and "| 64 | 16 |" in report
+
+
 def test_the_gpu_only_benchmarks_say_so_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import rl_shapes_cuda, tile_sweep_cuda
 

@@ -5,6 +5,7 @@ out-of-memory error. Every test is marked ``cuda`` and skips itself where no CUD
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -111,6 +112,33 @@ def test_kl_and_masking_on_cuda() -> None:
     assert torch.all(out[~mask] == 0)
     torch.testing.assert_close(out[mask].double().cpu().detach(), reference("logprobs", hidden, weight, targets)[mask.cpu()].detach(),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_head_call_waits_for_the_gpu_once(masked: bool) -> None:
+    """Each host sync stalls the Python side of the pass until the queued kernels finish: a call with
+    targets (and a mask) reads what its plan needs from the data in one, forward and backward together."""
+    hidden, weight, targets = make(256, 64, 1000, torch.bfloat16)
+    mask = None
+    if masked:
+        targets[:100] = -100
+        mask = torch.ones(256, dtype=torch.bool, device=CUDA)
+        mask[200:] = False
+
+    def step() -> None:
+        linear_logprobs(hidden, weight, targets, mask=mask).sum().backward()
+
+    step()  # the first call compiles the tile kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [r for r in record if "synchroniz" in str(r.message).lower()]
+    assert len(syncs) == 1, [str(r.message) for r in syncs]
 
 
 def test_tiles_are_capped_by_free_cuda_memory() -> None:

@@ -404,9 +404,36 @@ def test_cuda_tiles_have_a_larger_floor_and_the_same_cap(monkeypatch):
     for n, h, v in [(3, 7, 11), (100000, 64, 50), (4096, 1024, 50000)]:
         rows, cols = tile_sizes(None, n, h, v, cuda, fast=True)
         assert 1 <= rows <= n and 1 <= cols <= v and rows * cols <= MAX_TILE_ELEMENTS
-    # masking still shrinks the tile in proportion
+    # Masking takes no CUDA tile below the floor (smaller tiles would only add host work per row): 512 counted
+    # rows of 2048 get the floor's tile, and fewer row tiles than the unmasked call.
     rows, cols = tile_sizes(None, 512, 512, 32000, cuda, total_rows=2048)
-    assert rows * cols <= CUDA_MIN_TILE_ELEMENTS // 4 * 1.2
+    assert rows == 512 and rows * cols == CUDA_MIN_TILE_ELEMENTS
+    # At the cap, a quarter of the rows counted: "fast" keeps a floor-sized logits tile, "exact" the tile of an
+    # unmasked 2048-row call (its fp32 weight tile binds first); both smaller than the unmasked tile.
+    masked = {fast: tile_sizes(None, 2048, 2560, 151936, cuda, fast=fast, total_rows=8192, fused=True) for fast in (False, True)}
+    assert masked[True] == (2048, CUDA_MIN_TILE_ELEMENTS // 2048)
+    assert masked[False] == tile_sizes(None, 2048, 2560, 151936, cuda, fused=True)
+    for fast in (False, True):
+        unmasked = tile_sizes(None, 8192, 2560, 151936, cuda, fast=fast, fused=True)
+        assert masked[fast][0] * masked[fast][1] <= unmasked[0] * unmasked[1]
+
+
+def test_fast_tiles_in_one_row_tile_are_bounded_as_logits_tiles_only(monkeypatch):
+    """With "fast" and every row in one row tile, no [vocab_tile, H] buffer exists (weight tiles are views,
+    each weight-gradient tile goes straight into the gradient), so a wide hidden size does not narrow the
+    vocabulary tile; "exact" (an fp32 copy of each weight tile) and several row tiles still bound it."""
+    from lit_memopt.ops._head_tiles import CUDA_MIN_TILE_ELEMENTS, MIN_TILE_ELEMENTS, tile_sizes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no free-memory cap, GPU or not
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    budget = 2 * CUDA_MIN_TILE_ELEMENTS  # "fast" vocabulary budget on CUDA
+    assert tile_sizes(None, 512, 1536, 151936, cuda, fast=True, fused=True) == (512, budget // 512)
+    rows, cols = tile_sizes(None, 512, 1536, 151936, cuda, fast=False, fused=True)
+    assert cols * 1536 <= CUDA_MIN_TILE_ELEMENTS
+    rows, cols = tile_sizes(None, 64, 4096, 50000, cpu, fast=True)  # one row tile on a CPU too
+    assert rows == 64 and rows * cols <= 2 * MIN_TILE_ELEMENTS and cols * 4096 > 2 * MIN_TILE_ELEMENTS
+    rows, cols = tile_sizes(None, 100000, 4096, 50000, cpu, fast=True)  # several row tiles: bounded both ways
+    assert rows < 100000 and cols * 4096 <= tile_sizes(None, 100000, 4096, 50000, cpu, fast=False)[0] * 4096 * 2
 
 
 def test_tiles_shrink_with_the_share_of_rows_that_count():

@@ -271,9 +271,11 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
                 ref_w = math_.operand("ref_w", ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
                 gw_tile, overwrite_gw = None, False
                 # One row-tile product per vocabulary tile, already in the weight's dtype: it
-                # goes straight into the gradient (the fp32 tile would only round-trip it).
+                # goes straight into the gradient (the fp32 tile would only round-trip it; a
+                # low-precision product accumulates in fp32 and is rounded once either way).
+                # tile_sizes relies on this: such vocabulary tiles are not bounded as weight tiles.
                 straight_gw = (need_w and not direct_gw and first_block and one_row_tile
-                               and weight.dtype == math_.matmul_dtype and not math_.fp32_out)
+                               and weight.dtype == math_.matmul_dtype)
                 if need_w and not straight_gw:
                     # fp32 weights accumulate straight into the gradient across all blocks; a
                     # low-precision weight gets each block's fp32 tile sum added once (below).

@@ -43,6 +43,8 @@ from lit_memopt.ops._head_tiles import (
     check_same_device,
     check_targets,
     check_weight_pair,
+    target_range_error,
+    targets_out_of_range,
     is_fake,
     resolve_precision,
     tile_sizes,
@@ -161,7 +163,7 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
         ref_hidden, ref_weight = ref_hidden.detach(), ref_weight.detach()
         ref_bias = None if ref_bias is None else ref_bias.detach()
     if targets is not None:
-        check_targets(targets, hidden, vocab, ignore_index)
+        check_targets(targets, hidden)
     mask = check_mask(mask, hidden)
     fast = resolve_precision(precision, hidden, weight, bias, *((ref_hidden, ref_weight, ref_bias) if kl else ()))
 
@@ -175,15 +177,26 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
     if mask is not None:
         valid = mask.reshape(-1) if valid is None else valid & mask.reshape(-1)
     keep = None
-    if valid is not None:
+    if valid is not None and not is_fake(valid):
+        # What the plan needs from the data, read in one host sync (on a GPU each sync stalls the
+        # host until the queued kernels finish): how many rows count, and whether a target is
+        # outside the vocabulary (checked on every row, counted or not).
+        facts = [valid.sum()]
         if flat_targets is not None:
-            flat_targets = torch.where(valid, flat_targets, 0)
-        if not is_fake(valid) and not bool(valid.all()):
+            facts.append(targets_out_of_range(flat_targets, vocab, ignore_index).any().long())
+        counted_rows, *bad = torch.stack(facts).tolist()
+        if bad and bad[0]:
+            raise target_range_error(flat_targets, vocab, ignore_index)
+        if counted_rows < valid.numel():
             # Only the rows that count reach the matmuls: the pass gathers them tile by tile and
             # scatters their hidden gradient back (the rest get exact zeros), so neither a compacted
-            # copy of them nor of their gradient ever exists.
-            keep = valid.nonzero().squeeze(1)
-            flat_targets = None if flat_targets is None else flat_targets.index_select(0, keep)
+            # copy of them nor of their gradient ever exists. The count is known, so finding them
+            # needs no second sync.
+            keep = torch.nonzero_static(valid, size=counted_rows).squeeze(1)
+    if flat_targets is not None:  # then `valid` is set too
+        flat_targets = torch.where(valid, flat_targets, 0)
+        if keep is not None:
+            flat_targets = flat_targets.index_select(0, keep)
     widest = max(size, ref_hidden.shape[-1]) if kl else size
     counted = rows.shape[0] if keep is None else keep.shape[0]
     fused = use_fused_tiles(rows.device, is_fake(rows))
