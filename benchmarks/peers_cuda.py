@@ -170,22 +170,25 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/peers_cuda.py needs a CUDA device; on the CPU run benchmarks/peers.py")
-    peers = load_peers()
+def result_header(benchmark: str, command: str, peers: dict) -> dict[str, Any]:
+    """What a GPU benchmark's result records before its cases: the machine, the versions, the peers."""
     import importlib.metadata as md
 
     try:
         triton_version = md.version("triton")
     except md.PackageNotFoundError:
         triton_version = None
-    result: dict[str, Any] = {
-        "benchmark": "peers_cuda", "quick": quick, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton_version, "command": "python -m benchmarks.peers_cuda" + (" --quick" if quick else ""),
-        "peers": [{"name": p.name, "package": p.package, "version": p.version, "error": p.error} for p in peers.values()],
-        "cases": [],
-    }
+    return {"benchmark": benchmark, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton_version,
+            "command": command, "cases": [],
+            "peers": [{"name": p.name, "package": p.package, "version": p.version, "error": p.error} for p in peers.values()]}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/peers_cuda.py needs a CUDA device; on the CPU run benchmarks/peers.py")
+    peers = load_peers()
+    result = result_header("peers_cuda", "python -m benchmarks.peers_cuda" + (" --quick" if quick else ""), peers)
+    result["quick"] = quick
     plan = [(op, dt, TIME_SHAPE, REPS, True, True) for dt in (torch.float32, torch.bfloat16) for op in OPS]
     if not quick:
         plan += [(op, torch.bfloat16, BIG_SHAPE, BIG_REPS, False, True) for op in OPS]

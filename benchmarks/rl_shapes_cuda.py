@@ -67,8 +67,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/rl_shapes_cuda.py needs a CUDA device")
     peers = load_peers()
-    result: dict[str, Any] = {"benchmark": "rl_shapes_cuda", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "triton": None, "command": "python -m benchmarks.rl_shapes_cuda", "peers": [], "cases": []}
+    result = peers_cuda.result_header("rl_shapes_cuda", "python -m benchmarks.rl_shapes_cuda", peers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for n in TOKENS:
