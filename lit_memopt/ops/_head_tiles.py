@@ -219,8 +219,10 @@ def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, d
 
     ``rows`` are the rows that reach the matmuls; ``total_rows`` (default: ``rows``) all rows of the
     call, masked ones included. The budget is the one for ``total_rows`` scaled by the share of rows
-    that count, so that masking 75% of the rows shrinks the tiles 4x even where the unmasked budget
-    is capped: memory falls in proportion to the work.
+    that count, down to the device's floor, so that on a CPU masking 75% of the rows shrinks the
+    tiles 4x even where the unmasked budget is capped: memory falls in proportion to the work. On
+    CUDA the floor (``CUDA_MIN_TILE_ELEMENTS``) usually binds: a masked call keeps floor-sized tiles
+    and its time falls with its rows instead.
 
     With ``fast`` (low-precision tile matmuls) vocabulary tiles may be twice as wide, up to the
     same cap: each tile's hidden-gradient product is rounded to bf16/fp16 before it is added in
