@@ -1,6 +1,8 @@
 """The fused head beside its peers at RL-sized token counts on a GPU: a Qwen2.5-1.5B head (H=1536, V=151936)
 at N = 512, 2048 and 8192 tokens, bf16, log-probs and the GRPO loss; and the same log-probs with 75% of the rows
-ignored (``ignore_index``: the prompt part of each sequence, as in an RL batch) against the unmasked call.
+ignored (``ignore_index``: the prompt part of each sequence, as in an RL batch) against the unmasked call; and
+log-probs of an fp32 head under autocast to bf16 (Lightning's ``"bf16-mixed"``), lit-memopt's ``"auto"`` against
+the same maths from full logits under the same autocast.
 
 RL steps often score a few hundred to a few thousand tokens per micro-batch, where a GPU pass is bound by the host
 work per tile rather than by the matmuls (see ``tile_sweep_cuda.py``). Same measurement as ``peers_cuda.py``
@@ -51,6 +53,46 @@ def masked_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, device
             "memory_ratio": rows[1]["extra_bytes"] / max(rows[0]["extra_bytes"], 1)}
 
 
+AUTOCAST_NAIVE = "naive (full logits), fp32 head under bf16 autocast"
+AUTOCAST_LIT = 'lit-memopt "auto", fp32 head under bf16 autocast'
+
+
+def autocast_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, device: str = "cuda") -> dict[str, Any]:
+    """fp32 hidden states and head weight, the forward under ``torch.autocast(dtype=bfloat16)``: the naive
+    head (its matmul runs in bf16, the log-softmax in fp32) against lit-memopt's default precision."""
+    x = peers_cuda.inputs({"tokens": n, **head}, torch.float32, torch.device(device))
+
+    def under_autocast(fn):
+        def run(x):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                return fn(x)
+        return run
+
+    def naive(x):
+        logits = x["hidden"] @ x["weight"].t()
+        return (torch.log_softmax(logits.float(), -1).gather(-1, x["targets"].unsqueeze(-1)).squeeze(-1),)
+
+    methods = [Method(AUTOCAST_NAIVE, under_autocast(naive)),
+               Method(AUTOCAST_LIT, under_autocast(lambda x: (linear_logprobs(x["hidden"], x["weight"], x["targets"]),)))]
+    times = interleaved_times(methods, x, reps, step=peers_cuda._step, warmups=2)
+    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peers_cuda.peak_extra(m, x)}
+            for m in methods]
+    del x
+    torch.cuda.empty_cache()
+    return {"tokens": n, "rows": rows, "time_ratio": paired_ratio(times, AUTOCAST_LIT, AUTOCAST_NAIVE)}
+
+
+def autocast_markdown(cases: list[dict[str, Any]]) -> str:
+    lines = ["", f"## logprobs · fp32 head under bf16 autocast · H=1536, V=151936 ({REPS} repetitions)", "",
+             "| N | naive ms | lit-memopt \"auto\" ms | vs naive | naive extra memory | lit-memopt extra memory |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for c in cases:
+        naive, lit = c["rows"]
+        lines.append(f"| {c['tokens']} | {naive['median_ms']:.2f} | {lit['median_ms']:.2f} | {c['time_ratio']:.2f}x | "
+                     f"{peers_cuda._fmt_bytes(naive['extra_bytes'])} | {peers_cuda._fmt_bytes(lit['extra_bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def masked_markdown(cases: list[dict[str, Any]]) -> str:
     lines = ["", f"## logprobs · bfloat16 · H=1536, V=151936 · {MASKED_SHARE:.0%} of rows ignored vs none ({REPS} repetitions)", "",
              "| N | counted rows | unmasked ms | masked ms | time ratio | unmasked extra memory | masked extra memory | memory ratio |",
@@ -83,7 +125,11 @@ def main() -> int:
         for n in TOKENS:
             print(f"[rl_shapes] masked logprobs N={n}", flush=True)
             result["masked"].append(masked_case(n))
-    markdown = peers_cuda.to_markdown(result) + masked_markdown(result["masked"])
+        result["autocast"] = []
+        for n in TOKENS:
+            print(f"[rl_shapes] fp32 head under bf16 autocast N={n}", flush=True)
+            result["autocast"].append(autocast_case(n))
+    markdown = peers_cuda.to_markdown(result) + masked_markdown(result["masked"]) + autocast_markdown(result["autocast"])
     print(markdown)
     gpu = gpu_stem(result["gpu"])
     for path in write_results(f"rl_shapes_cuda_{gpu}", result, markdown):

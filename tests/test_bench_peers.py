@@ -142,6 +142,16 @@ def test_the_gpu_rl_shapes_time_masked_rows_against_the_unmasked_call(cuda_timer
     assert "75% of rows ignored" in report and "| 64 | 16 |" in report
 
 
+def test_the_gpu_rl_shapes_time_an_fp32_head_under_autocast(cuda_timers_stubbed: None) -> None:
+    # benchmarks/rl_shapes_cuda.py's autocast case, run on the CPU (CPU autocast) with the CUDA counters stubbed.
+    from benchmarks import rl_shapes_cuda
+
+    c = rl_shapes_cuda.autocast_case(TINY["tokens"], 2, head={"hidden": TINY["hidden"], "vocab": TINY["vocab"]}, device="cpu")
+    assert [r["method"] for r in c["rows"]] == [rl_shapes_cuda.AUTOCAST_NAIVE, rl_shapes_cuda.AUTOCAST_LIT]
+    assert all(r["median_ms"] > 0 for r in c["rows"]) and c["time_ratio"] > 0
+    assert "| 64 |" in rl_shapes_cuda.autocast_markdown([c])
+
+
 def test_the_gpu_only_benchmarks_say_so_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import rl_shapes_cuda, tile_sweep_cuda
 

@@ -99,6 +99,27 @@ def test_fast_bf16_on_cuda_multiplies_into_fp32_tiles(op: str) -> None:
             assert (got.double().cpu() - exp).abs().max().item() <= 0.02 * exp.abs().max().item()
 
 
+@pytest.mark.parametrize("op", sorted(FUSED))
+def test_auto_under_bf16_autocast_multiplies_fp32_weights_in_bf16(op: str) -> None:
+    # Lightning's "bf16-mixed": fp32 weights and hidden states under autocast. "auto" multiplies bf16 copies of
+    # the tiles into fp32 logits, so values match the float64 maths on the bf16-rounded inputs to fp32
+    # accuracy, and the gradients come back in fp32.
+    _head_tiles._FP32_OUT_IN_PLACE.clear()
+    hidden, weight, targets = make(300, 64, 1000, torch.float32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = FUSED[op](hidden, weight, targets, chunk_size=(128, 256))
+    grads = gradients(out, (hidden, weight))
+    assert set(_head_tiles._FP32_OUT_IN_PLACE) == {"mm", "addmm"}  # bf16 operands, fp32 products
+    ref_h = hidden.detach().bfloat16().cpu().double().requires_grad_()
+    ref_w = weight.detach().bfloat16().cpu().double().requires_grad_()
+    want = reference(op, ref_h, ref_w, targets)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double().cpu().detach(), want.detach(), rtol=1e-4, atol=1e-4)
+    for got, exp in zip(grads, gradients(want, (ref_h, ref_w))):
+        assert got.dtype == torch.float32
+        assert (got.double().cpu() - exp).abs().max().item() <= 0.02 * exp.abs().max().item()
+
+
 def test_kl_and_masking_on_cuda() -> None:
     hidden, weight, targets = make(200, 32, 500, torch.float32)
     ref_hidden = (hidden.detach() + 0.2 * torch.randn_like(hidden)).requires_grad_(False)

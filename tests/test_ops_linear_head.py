@@ -430,6 +430,8 @@ def test_fast_tiles_in_one_row_tile_are_bounded_as_logits_tiles_only(monkeypatch
     assert tile_sizes(None, 512, 1536, 151936, cuda, fast=True, fused=True) == (512, budget // 512)
     rows, cols = tile_sizes(None, 512, 1536, 151936, cuda, fast=False, fused=True)
     assert cols * 1536 <= CUDA_MIN_TILE_ELEMENTS
+    rows, cols = tile_sizes(None, 512, 1536, 151936, cuda, fast=True, fused=True, weight_copied=True)  # fp32 weight, autocast
+    assert cols * 1536 <= budget
     rows, cols = tile_sizes(None, 64, 4096, 50000, cpu, fast=True)  # one row tile on a CPU too
     assert rows == 64 and rows * cols <= 2 * MIN_TILE_ELEMENTS and cols * 4096 > 2 * MIN_TILE_ELEMENTS
     rows, cols = tile_sizes(None, 100000, 4096, 50000, cpu, fast=True)  # several row tiles: bounded both ways

@@ -157,11 +157,51 @@ def test_auto_precision_follows_native_low_precision_matmuls(native, monkeypatch
 
     monkeypatch.setattr(_head_tiles, "native_low_precision_matmul", lambda device, dtype: native)
     low = torch.zeros(2, 3, dtype=torch.bfloat16)
-    assert _head_tiles.resolve_precision("auto", low, low) is native
-    assert _head_tiles.resolve_precision("fast", low, low) is True
-    assert _head_tiles.resolve_precision("exact", low, low) is False
-    assert _head_tiles.resolve_precision("auto", low.float(), low.float()) is False
-    assert _head_tiles.resolve_precision("auto", low, low.float()) is False  # mixed dtypes: fp32 tiles
+    assert _head_tiles.resolve_precision("auto", low, low) is (torch.bfloat16 if native else None)
+    assert _head_tiles.resolve_precision("fast", low, low) is torch.bfloat16
+    assert _head_tiles.resolve_precision("exact", low, low) is None
+    assert _head_tiles.resolve_precision("auto", low.float(), low.float()) is None
+    assert _head_tiles.resolve_precision("fast", low, low.float()) is None  # mixed dtypes: fp32 tiles
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_precision_follows_autocast_to_a_low_precision_dtype(native, monkeypatch):
+    # Mixed-precision training (fp32 weights under autocast to bf16) asks for bf16 matmuls: "auto" and "fast"
+    # multiply tiles cast to the autocast dtype, on the same terms as bf16 inputs; float64 never goes low.
+    from lit_memopt.ops import _head_tiles
+
+    monkeypatch.setattr(_head_tiles, "native_low_precision_matmul", lambda device, dtype: native)
+    fp32, bf16 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _head_tiles.resolve_precision("auto", fp32, fp32) is (torch.bfloat16 if native else None)
+        assert _head_tiles.resolve_precision("fast", bf16, fp32) is torch.bfloat16
+        assert _head_tiles.resolve_precision("exact", fp32, fp32) is None
+        assert _head_tiles.resolve_precision("fast", fp32.double(), fp32) is None
+        assert _head_tiles.resolve_precision("fast", torch.zeros(2, 3, dtype=torch.float16), fp32) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert _head_tiles.resolve_precision("fast", fp32, fp32) is None
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_under_autocast_multiplies_in_the_autocast_dtype_and_returns_fp32_gradients(masked):
+    """fp32 hidden states and weight under autocast to bf16: the same values as the op on bf16 inputs (the same
+    bf16 operands and tile products), and fp32 gradients that match the bf16 inputs' to bf16 rounding."""
+    hidden, weight, _, targets = make(shape=(4, 6), hidden_size=32, vocab=300, dtype=torch.float32, seed=3)
+    mask = (torch.arange(24).reshape(4, 6) % 3 != 0) if masked else None
+    upstream = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_logprobs(hidden, weight, targets, mask=mask, precision="fast", chunk_size=(8, 64))
+    (out * upstream).sum().backward()
+    h16, w16 = hidden.detach().bfloat16().requires_grad_(), weight.detach().bfloat16().requires_grad_()
+    want = linear_logprobs(h16, w16, targets, mask=mask, precision="fast", chunk_size=(8, 64))
+    (want * upstream).sum().backward()
+    assert out.dtype == torch.float32 and hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(hidden.grad, h16.grad.float(), rtol=1e-2, atol=1e-2 * h16.grad.abs().max().item())
+    torch.testing.assert_close(weight.grad, w16.grad.float(), rtol=1e-2, atol=1e-2 * w16.grad.abs().max().item())
+    # and not the fp32 tiles: bf16 operands move the values by far more than fp32 rounding
+    exact = linear_logprobs(hidden.detach(), weight.detach(), targets, mask=mask, precision="exact")
+    assert (out.detach() - exact).abs().max() > 1e-4
 
 
 def test_fp32_inputs_ignore_precision():

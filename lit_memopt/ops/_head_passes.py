@@ -35,7 +35,7 @@ class _HeadSpec:
     transform: LogitTransform
     row_tile: int
     vocab_tile: int
-    fast: bool
+    low_precision: Optional[torch.dtype]  # the tile matmuls' dtype for "fast"; None: fp32 tiles ("exact")
     fused: bool = False  # tile maths as compiled kernels (ops/_fused_tiles.py), decided once for forward and backward
 
     def wants(self, name: str) -> bool:
@@ -59,7 +59,7 @@ class _NoAutocast:
 
 def _tile_math(spec: _HeadSpec, rows: int, hidden: Tensor, *others: Optional[Tensor]) -> TileMath:
     stat_dtype = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (hidden, *others)) else torch.float32
-    matmul_dtype = hidden.dtype if spec.fast else stat_dtype
+    matmul_dtype = spec.low_precision or stat_dtype
     return TileMath(stat_dtype, matmul_dtype, hidden.device, spec.transform, spec.row_tile, spec.vocab_tile,
                     rows, others[0].shape[0], fused=spec.fused)
 

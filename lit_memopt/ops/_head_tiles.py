@@ -161,8 +161,8 @@ def exp_(x: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def resolve_precision(precision: object, *tensors: Optional[Tensor]) -> bool:
-    """Whether tile matmuls run in the inputs' low-precision dtype (``"fast"``) or in fp32 (``"exact"``).
+def resolve_precision(precision: object, *tensors: Optional[Tensor]) -> Optional[torch.dtype]:
+    """The low-precision dtype the tile matmuls run in (``"fast"``), or ``None`` for fp32 tiles (``"exact"``).
 
     ``"auto"`` picks ``"fast"`` when every head tensor is bf16 (or every one fp16) and the device
     multiplies that dtype natively: on CUDA the tile product then accumulates into fp32 logits at
@@ -172,17 +172,37 @@ def resolve_precision(precision: object, *tensors: Optional[Tensor]) -> bool:
     statistics kept in fp32. Where the device has no such instructions (an AVX2-only CPU) it picks
     ``"exact"``: emulated bf16 matmuls are far slower than fp32 ones there (one thread of an AVX2
     AMD EPYC: 7.7 s against 0.054 s for a 2048 x 512 x 2048 product), and fp32 tiles are also exact.
+
+    Under autocast to bf16/fp16 (Lightning's ``"bf16-mixed"``: fp32 weights, fp32 or bf16 hidden states)
+    the caller has asked for low-precision matmuls, and a plain ``lm_head`` would run in that dtype:
+    ``"auto"`` and ``"fast"`` then multiply tiles cast to the autocast dtype on the same terms (fp32 softmax
+    statistics, gradients in the inputs' dtypes). Otherwise fp32 or mixed inputs get fp32 tiles.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"`precision` must be one of {PRECISIONS}, got {precision!r}")
     present = [t for t in tensors if t is not None]
     dtypes = {t.dtype for t in present}
-    uniform_low = len(dtypes) == 1 and next(iter(dtypes)) in _LOW_PRECISION
-    if precision == "exact" or not uniform_low:
-        return False
+    if precision == "exact" or not present:
+        return None
+    low = next(iter(dtypes)) if len(dtypes) == 1 and next(iter(dtypes)) in _LOW_PRECISION else None
+    if low is None:
+        autocast = autocast_low_precision(present[0].device)
+        if autocast is not None and dtypes <= {autocast, torch.float32}:
+            low = autocast
+    if low is None:
+        return None
     if precision == "fast" or is_fake(present[0]):  # an estimate models the GPU run it sizes
-        return True
-    return native_low_precision_matmul(present[0].device, next(iter(dtypes)))
+        return low
+    return low if native_low_precision_matmul(present[0].device, low) else None
+
+
+def autocast_low_precision(device: torch.device) -> Optional[torch.dtype]:
+    """The bf16/fp16 dtype autocast runs matmuls in on ``device`` now, or ``None`` (off, or another dtype)."""
+    kind = device.type
+    if kind not in ("cpu", "cuda", "xpu", "mps", "hpu") or not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    return dtype if dtype in _LOW_PRECISION else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,7 +234,8 @@ def tile_starts(start: int, stop: int, step: int, *, values: bool = True) -> Seq
 
 
 def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, device: torch.device,
-               *, fast: bool = False, total_rows: Optional[int] = None, fused: bool = False) -> tuple[int, int]:
+               *, fast: bool = False, total_rows: Optional[int] = None, fused: bool = False,
+               weight_copied: bool = False) -> tuple[int, int]:
     """Pick ``(row_tile, vocab_tile)``: explicit when given, else from the shapes and free memory.
 
     ``rows`` are the rows that reach the matmuls; ``total_rows`` (default: ``rows``) all rows of the
@@ -278,11 +299,12 @@ def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, d
 
     row_tile = align(max(1, min(rows, budget // hidden_size)))
     # A vocab tile is bounded as a logits tile [row_tile, vocab_tile], and as a weight tile [vocab_tile, H]
-    # where one exists: an fp32 copy of the weight tile ("exact" with low-precision weights) or an fp32
-    # weight-gradient accumulator (several row tiles). With "fast" and all rows in one row tile, the
+    # where one exists: a copy of the weight tile in the matmul dtype ("exact" with low-precision weights,
+    # or ``weight_copied``: "fast" under autocast with fp32 weights) or an fp32 weight-gradient accumulator
+    # (several row tiles). With "fast" and all rows in one row tile, the
     # weight tiles are views and each weight-gradient tile is one product written straight into the
     # gradient (_head_passes._backward_tiles), so only the logits tile bounds it.
-    weight_tile_free = fast and rows <= row_tile
+    weight_tile_free = fast and not weight_copied and rows <= row_tile
     vocab_tile = align(max(1, min(vocab, vocab_budget // max(row_tile, 1),
                                   vocab if weight_tile_free else vocab_budget // hidden_size)))
     return max(row_tile, 1), max(vocab_tile, 1)

@@ -165,7 +165,7 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
     if targets is not None:
         check_targets(targets, hidden)
     mask = check_mask(mask, hidden)
-    fast = resolve_precision(precision, hidden, weight, bias, *((ref_hidden, ref_weight, ref_bias) if kl else ()))
+    low_precision = resolve_precision(precision, hidden, weight, bias, *((ref_hidden, ref_weight, ref_bias) if kl else ()))
 
     lead = hidden.shape[:-1]
     rows = hidden.reshape(-1, size)
@@ -200,9 +200,11 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
     widest = max(size, ref_hidden.shape[-1]) if kl else size
     counted = rows.shape[0] if keep is None else keep.shape[0]
     fused = use_fused_tiles(rows.device, is_fake(rows))
-    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=fast, total_rows=rows.shape[0],
-                                      fused=fused)
-    spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, fast, fused)
+    # Under autocast an fp32 weight is copied into the matmul dtype tile by tile: those copies count as tiles.
+    weight_copied = low_precision is not None and any(w is not None and w.dtype != low_precision for w in (weight, ref_weight))
+    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=low_precision is not None,
+                                      total_rows=rows.shape[0], fused=fused, weight_copied=weight_copied)
+    spec = _HeadSpec(frozenset(outputs), transform, row_tile, vocab_tile, low_precision, fused)
     results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))
     shaped = []
