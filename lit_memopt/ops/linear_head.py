@@ -234,6 +234,8 @@ _COMMON_ARGS = """
             accumulation on CUDA, logits rounded to the input dtype on the CPU) with fp32 softmax
             statistics; ``"auto"`` (default) is ``"fast"`` when the head tensors share a bf16/fp16 dtype
             that the device multiplies natively (CUDA; CPUs with AVX512-BF16/AMX), else ``"exact"``.
+            Under ``torch.autocast`` to bf16/fp16 (``"bf16-mixed"``), fp32 inputs count as the autocast
+            dtype: their tiles are cast to it, and their gradients stay fp32.
             On CUDA each tile's softmax maths run as kernels compiled by ``torch.compile`` (the first
             call compiles them; ``LIT_MEMOPT_FUSED_TILES=0`` keeps them eager, ``=1`` compiles them on a CPU too).
 """
