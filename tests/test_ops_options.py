@@ -325,3 +325,22 @@ def test_policy_loss_option_errors():
         ppo_clip_loss(new, new.detach(), adv, loss_type="grpo", num_items_in_batch=5)
     with pytest.raises(ValueError, match="`num_items_in_batch` must be"):
         ppo_clip_loss(new, new.detach(), adv, loss_type="dapo", num_items_in_batch=0)
+
+
+def test_counted_rows_are_found_without_nonzero_static_too(monkeypatch):
+    # torch.nonzero_static (no host sync) may lack a kernel for a device on older torch: nonzero finds the same rows.
+    from lit_memopt.ops import _head_tiles
+
+    valid = torch.tensor([True, False, True, True, False])
+    assert _head_tiles.counted_row_indices(valid, 3).tolist() == [0, 2, 3]
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("nonzero_static: no kernel for this device")
+
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    assert _head_tiles.counted_row_indices(valid, 3).tolist() == [0, 2, 3]
+    hidden, weight, _, targets = make(shape=(2, 5), dtype=torch.float64)
+    targets[0, :3] = IGNORE
+    out = linear_logprobs(hidden, weight, targets)
+    want = torch.log_softmax(ref_logits(hidden, weight), -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out, torch.where(targets != IGNORE, want, 0.0))

@@ -138,6 +138,16 @@ def target_range_error(targets: Tensor, vocab: int, ignore_index: int) -> ValueE
     return ValueError(f"`targets` must be in [0, {vocab}) or equal ignore_index={ignore_index}; found {first}")
 
 
+def counted_row_indices(valid: Tensor, count: int) -> Tensor:
+    """Indices of the ``count`` True entries of the 1-D ``valid``, without a second host sync where torch can."""
+    try:
+        return torch.nonzero_static(valid, size=count).squeeze(1)
+    except torch.OutOfMemoryError:
+        raise
+    except (NotImplementedError, RuntimeError):  # a torch without a nonzero_static kernel for this device
+        return valid.nonzero().squeeze(1)
+
+
 def check_mask(mask: object, hidden: Tensor) -> Optional[Tensor]:
     if mask is None:
         return None
@@ -301,9 +311,9 @@ def tile_sizes(chunk_size: ChunkSize, rows: int, hidden_size: int, vocab: int, d
     # A vocab tile is bounded as a logits tile [row_tile, vocab_tile], and as a weight tile [vocab_tile, H]
     # where one exists: a copy of the weight tile in the matmul dtype ("exact" with low-precision weights,
     # or ``weight_copied``: "fast" under autocast with fp32 weights) or an fp32 weight-gradient accumulator
-    # (several row tiles). With "fast" and all rows in one row tile, the
-    # weight tiles are views and each weight-gradient tile is one product written straight into the
-    # gradient (_head_passes._backward_tiles), so only the logits tile bounds it.
+    # (several row tiles). With "fast" and all rows in one row tile, the weight tiles are views and each
+    # weight-gradient tile is one product written straight into the gradient (_head_passes._backward_tiles),
+    # so only the logits tile bounds it.
     weight_tile_free = fast and not weight_copied and rows <= row_tile
     vocab_tile = align(max(1, min(vocab, vocab_budget // max(row_tile, 1),
                                   vocab if weight_tile_free else vocab_budget // hidden_size)))

@@ -43,10 +43,11 @@ from lit_memopt.ops._head_tiles import (
     check_same_device,
     check_targets,
     check_weight_pair,
-    target_range_error,
-    targets_out_of_range,
+    counted_row_indices,
     is_fake,
     resolve_precision,
+    target_range_error,
+    targets_out_of_range,
     tile_sizes,
 )
 from lit_memopt.ops.sharded import gather_if_sharded
@@ -192,7 +193,7 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
             # scatters their hidden gradient back (the rest get exact zeros), so neither a compacted
             # copy of them nor of their gradient ever exists. The count is known, so finding them
             # needs no second sync.
-            keep = torch.nonzero_static(valid, size=counted_rows).squeeze(1)
+            keep = counted_row_indices(valid, counted_rows)
     if flat_targets is not None:  # then `valid` is set too
         flat_targets = torch.where(valid, flat_targets, 0)
         if keep is not None:
