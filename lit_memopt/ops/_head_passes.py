@@ -128,6 +128,10 @@ class _RunningSoftmax:
             self.sum_ez = self.sum_ez * rescale + e.mul_(z).sum(1)
 
 
+# Which per-row statistic (besides ``lse``) each output needs.
+_STAT_OF_OUTPUT = (("target_z", "logprobs"), ("mu", "entropy"), ("mean_z", "self_certainty"), ("ref_lse", "kl"), ("mu_d", "kl"))
+
+
 def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                         targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
                         ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
@@ -135,7 +139,9 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
     ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref]), for the rows ``keep`` (all when ``None``)."""
     n, vocab = _pass_rows(hidden, keep), weight.shape[0]
     rt, vt = spec.row_tile, spec.vocab_tile
-    stats: dict[str, Tensor] = {k: hidden.new_zeros(n, dtype=math_.stat_dtype) for k in ("lse", "target_z", "mu", "mean_z", "ref_lse", "mu_d")}
+    # Only the statistics the requested outputs read (each is a kernel launch per call on a GPU).
+    needed = {"lse"} | {stat for stat, output in _STAT_OF_OUTPUT if spec.wants(output)}
+    stats: dict[str, Tensor] = {k: hidden.new_zeros(n, dtype=math_.stat_dtype) for k in sorted(needed)}
     values = not is_fake(hidden)
     for r0 in tile_starts(0, n, rt, values=values):
         r1 = min(r0 + rt, n)
@@ -188,7 +194,7 @@ class _RowGradients:
 
 
 def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
-                     lse: Tensor, mu: Tensor, mu_d: Tensor, coeffs: _RowGradients, targets: Optional[Tensor]) -> Tensor:
+                     lse: Tensor, mu: Optional[Tensor], mu_d: Optional[Tensor], coeffs: _RowGradients, targets: Optional[Tensor]) -> Tensor:
     """``d out / d raw`` for one tile (raw = hidden @ W.T + b), built in tile buffers; ``z`` is consumed."""
     n_rows, cols = z.shape
     col = lambda t: t[rows].unsqueeze(1)  # noqa: E731
@@ -214,7 +220,7 @@ def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optiona
 
 
 def _fused_logit_gradient(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
-                          lse: Tensor, mu: Tensor, mu_d: Tensor, coeffs: _RowGradients, targets: Optional[Tensor],
+                          lse: Tensor, mu: Optional[Tensor], mu_d: Optional[Tensor], coeffs: _RowGradients, targets: Optional[Tensor],
                           want_column_sums: bool) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`_logit_gradient_` as one compiled kernel: the tile's gradient as a matmul operand, and its column sums."""
     at = lambda t: None if t is None else t[rows]  # noqa: E731
@@ -228,7 +234,7 @@ def _fused_logit_gradient(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Op
 
 def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                     targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
-                    ref_bias: Optional[Tensor], lse: Tensor, mu: Tensor, mu_d: Tensor, keep: Optional[Tensor],
+                    ref_bias: Optional[Tensor], lse: Tensor, mu: Optional[Tensor], mu_d: Optional[Tensor], keep: Optional[Tensor],
                     need_h: bool, need_w: bool, need_b: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The tiled backward: ``(grad_hidden, grad_weight, grad_bias)``, the hidden gradient of the counted rows only.
 

@@ -82,15 +82,15 @@ class _LinearHeadFunction(torch.autograd.Function):
         with _NoAutocast(hidden.device.type), torch.no_grad():
             s = _forward_statistics(spec, math_, hidden, weight, stat_bias, targets, ref_hidden, ref_weight, stat_ref_bias, keep)
         outputs = {
-            "logprobs": s["target_z"] - s["lse"],
-            "entropy": s["lse"] - s["mu"],
-            "self_certainty": s["lse"] - s["mean_z"],
-            "kl": s["mu_d"] - s["lse"] + s["ref_lse"],  # KL(p || q) = E_p[z - z_ref] - lse + lse_ref
-            "logsumexp": s["lse"].clone(),
+            "logprobs": lambda: s["target_z"] - s["lse"],
+            "entropy": lambda: s["lse"] - s["mu"],
+            "self_certainty": lambda: s["lse"] - s["mean_z"],
+            "kl": lambda: s["mu_d"] - s["lse"] + s["ref_lse"],  # KL(p || q) = E_p[z - z_ref] - lse + lse_ref
+            "logsumexp": lambda: s["lse"].clone(),
         }
         ctx.spec = spec
-        ctx.save_for_backward(hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, s["lse"], s["mu"], s["mu_d"], keep)
-        return tuple(outputs[name] for name in OUTPUTS if spec.wants(name))
+        ctx.save_for_backward(hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, s["lse"], s.get("mu"), s.get("mu_d"), keep)
+        return tuple(outputs[name]() for name in OUTPUTS if spec.wants(name))
 
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
