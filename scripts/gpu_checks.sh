@@ -19,7 +19,7 @@ timeout "${PEERS_TIMEOUT:-260}" python3 -m benchmarks.peers_cuda ${PEERS_ARGS:-}
 tail -n 5 "$out/peers.log"
 timeout "${SWEEP_TIMEOUT:-150}" python3 -m benchmarks.tile_sweep_cuda >"$out/tile_sweep.log" 2>&1 || status=1
 grep -E '^\| lit-memopt "fast", automatic' "$out/tile_sweep.log"
-timeout "${RL_SHAPES_TIMEOUT:-150}" python3 -m benchmarks.rl_shapes_cuda >"$out/rl_shapes.log" 2>&1 || status=1
+timeout "${RL_SHAPES_TIMEOUT:-240}" python3 -m benchmarks.rl_shapes_cuda >"$out/rl_shapes.log" 2>&1 || status=1
 timeout "${ESTIMATES_TIMEOUT:-180}" python3 -m benchmarks.estimates --quick >"$out/estimates.log" 2>&1 || status=1
 tail -n 8 "$out/estimates.log"
 cp benchmarks/results/peers_cuda_* benchmarks/results/tile_sweep_cuda_* benchmarks/results/rl_shapes_cuda_* benchmarks/results/estimates_cuda* "$out"/ 2>/dev/null
