@@ -33,6 +33,14 @@ MASKED_SHARE = 0.75  # the prompt share of each sequence
 MASKED = f'{LIT_FAST}, {MASKED_SHARE:.0%} of rows ignored'
 
 
+def _timed_rows(methods: list[Method], x: dict[str, Any], reps: int) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
+    """Interleaved forward+backward times of ``methods`` on ``x``, and a row per method with its median and peak extra memory."""
+    times = interleaved_times(methods, x, reps, step=peers_cuda._step, warmups=2)
+    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peers_cuda.peak_extra(m, x)}
+            for m in methods]
+    return times, rows
+
+
 def masked_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, device: str = "cuda",
                 sequence_length: int = SEQUENCE_LENGTH) -> dict[str, Any]:
     """``"fast"`` log-probs with the first 75% of every sequence's targets set to ``ignore_index``, against the
@@ -44,9 +52,7 @@ def masked_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, device
         Method(LIT_FAST, lambda x: (linear_logprobs(x["hidden"], x["weight"], x["targets"], precision="fast"),)),
         Method(MASKED, lambda x: (linear_logprobs(x["hidden"], x["weight"], masked_targets, precision="fast"),)),
     ]
-    times = interleaved_times(methods, x, reps, step=peers_cuda._step, warmups=2)
-    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peers_cuda.peak_extra(m, x)}
-            for m in methods]
+    times, rows = _timed_rows(methods, x, reps)
     del x
     torch.cuda.empty_cache()
     return {"tokens": n, "counted_rows": int((~prompt).sum()), "rows": rows, "time_ratio": paired_ratio(times, MASKED, LIT_FAST),
@@ -74,35 +80,38 @@ def autocast_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, devi
 
     methods = [Method(AUTOCAST_NAIVE, under_autocast(naive)),
                Method(AUTOCAST_LIT, under_autocast(lambda x: (linear_logprobs(x["hidden"], x["weight"], x["targets"]),)))]
-    times = interleaved_times(methods, x, reps, step=peers_cuda._step, warmups=2)
-    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peers_cuda.peak_extra(m, x)}
-            for m in methods]
+    times, rows = _timed_rows(methods, x, reps)
     del x
     torch.cuda.empty_cache()
     return {"tokens": n, "rows": rows, "time_ratio": paired_ratio(times, AUTOCAST_LIT, AUTOCAST_NAIVE)}
 
 
+def _section(title: str, columns: list[str], rows: list[list[str]]) -> str:
+    """One markdown section: a heading and a table of right-aligned (numeric) columns."""
+    lines = ["", f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
 def autocast_markdown(cases: list[dict[str, Any]]) -> str:
-    lines = ["", f"## logprobs · fp32 head under bf16 autocast · H=1536, V=151936 ({REPS} repetitions)", "",
-             "| N | naive ms | lit-memopt \"auto\" ms | vs naive | naive extra memory | lit-memopt extra memory |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    for c in cases:
+    def cells(c: dict[str, Any]) -> list[str]:
         naive, lit = c["rows"]
-        lines.append(f"| {c['tokens']} | {naive['median_ms']:.2f} | {lit['median_ms']:.2f} | {c['time_ratio']:.2f}x | "
-                     f"{peers_cuda._fmt_bytes(naive['extra_bytes'])} | {peers_cuda._fmt_bytes(lit['extra_bytes'])} |")
-    return "\n".join(lines) + "\n"
+        return [str(c["tokens"]), f"{naive['median_ms']:.2f}", f"{lit['median_ms']:.2f}", f"{c['time_ratio']:.2f}x",
+                peers_cuda._fmt_bytes(naive["extra_bytes"]), peers_cuda._fmt_bytes(lit["extra_bytes"])]
+    return _section(f"logprobs · fp32 head under bf16 autocast · H=1536, V=151936 ({REPS} repetitions)",
+                    ["N", "naive ms", 'lit-memopt "auto" ms', "vs naive", "naive extra memory", "lit-memopt extra memory"],
+                    [cells(c) for c in cases])
 
 
 def masked_markdown(cases: list[dict[str, Any]]) -> str:
-    lines = ["", f"## logprobs · bfloat16 · H=1536, V=151936 · {MASKED_SHARE:.0%} of rows ignored vs none ({REPS} repetitions)", "",
-             "| N | counted rows | unmasked ms | masked ms | time ratio | unmasked extra memory | masked extra memory | memory ratio |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for c in cases:
+    def cells(c: dict[str, Any]) -> list[str]:
         full, masked = c["rows"]
-        lines.append(f"| {c['tokens']} | {c['counted_rows']} | {full['median_ms']:.2f} | {masked['median_ms']:.2f} | "
-                     f"{c['time_ratio']:.2f}x | {peers_cuda._fmt_bytes(full['extra_bytes'])} | "
-                     f"{peers_cuda._fmt_bytes(masked['extra_bytes'])} | {c['memory_ratio']:.2f}x |")
-    return "\n".join(lines) + "\n"
+        return [str(c["tokens"]), str(c["counted_rows"]), f"{full['median_ms']:.2f}", f"{masked['median_ms']:.2f}",
+                f"{c['time_ratio']:.2f}x", peers_cuda._fmt_bytes(full["extra_bytes"]), peers_cuda._fmt_bytes(masked["extra_bytes"]),
+                f"{c['memory_ratio']:.2f}x"]
+    return _section(f"logprobs · bfloat16 · H=1536, V=151936 · {MASKED_SHARE:.0%} of rows ignored vs none ({REPS} repetitions)",
+                    ["N", "counted rows", "unmasked ms", "masked ms", "time ratio", "unmasked extra memory",
+                     "masked extra memory", "memory ratio"],
+                    [cells(c) for c in cases])
 
 
 def main() -> int:
