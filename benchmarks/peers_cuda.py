@@ -30,7 +30,6 @@ import torch
 from benchmarks._peer_measure import exactness, interleaved_times, paired_ratio
 from benchmarks._peer_methods import (
     FAKE_MEMORY_SHAPE,
-    LIT_EXACT,
     LIT_FAST,
     NAIVE,
     OPS,
@@ -80,6 +79,14 @@ def peak_extra(m: Method, x: Inputs) -> int:
     extra = torch.cuda.max_memory_allocated() - before - grads
     _clear_grads(x)
     return int(extra)
+
+
+def timed_rows(methods: list[Method], x: Inputs, reps: int) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
+    """Interleaved forward+backward times of ``methods`` on ``x``, and a row per method with its median and peak extra memory."""
+    times = interleaved_times(methods, x, reps, step=_step, warmups=2)
+    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peak_extra(m, x)}
+            for m in methods]
+    return times, rows
 
 
 def runnable(methods: list[Method], x: Inputs, absent: list[dict[str, str]]) -> list[Method]:

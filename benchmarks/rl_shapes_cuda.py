@@ -13,14 +13,13 @@ exactness check at these sizes. Run ``python -m benchmarks.rl_shapes_cuda`` on a
 
 from __future__ import annotations
 
-import statistics
 import warnings
 from typing import Any
 
 import torch
 
 from benchmarks import peers_cuda
-from benchmarks._peer_measure import interleaved_times, paired_ratio
+from benchmarks._peer_measure import paired_ratio
 from benchmarks._peer_methods import LIT_FAST, SEQUENCE_LENGTH, Method
 from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
@@ -31,14 +30,6 @@ HEAD = {"hidden": 1536, "vocab": 151936}  # Qwen2.5-1.5B
 REPS = 10
 MASKED_SHARE = 0.75  # the prompt share of each sequence
 MASKED = f'{LIT_FAST}, {MASKED_SHARE:.0%} of rows ignored'
-
-
-def _timed_rows(methods: list[Method], x: dict[str, Any], reps: int) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
-    """Interleaved forward+backward times of ``methods`` on ``x``, and a row per method with its median and peak extra memory."""
-    times = interleaved_times(methods, x, reps, step=peers_cuda._step, warmups=2)
-    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peers_cuda.peak_extra(m, x)}
-            for m in methods]
-    return times, rows
 
 
 def masked_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, device: str = "cuda",
@@ -52,7 +43,7 @@ def masked_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, device
         Method(LIT_FAST, lambda x: (linear_logprobs(x["hidden"], x["weight"], x["targets"], precision="fast"),)),
         Method(MASKED, lambda x: (linear_logprobs(x["hidden"], x["weight"], masked_targets, precision="fast"),)),
     ]
-    times, rows = _timed_rows(methods, x, reps)
+    times, rows = peers_cuda.timed_rows(methods, x, reps)
     del x
     torch.cuda.empty_cache()
     return {"tokens": n, "counted_rows": int((~prompt).sum()), "rows": rows, "time_ratio": paired_ratio(times, MASKED, LIT_FAST),
@@ -80,7 +71,7 @@ def autocast_case(n: int, reps: int = REPS, *, head: dict[str, int] = HEAD, devi
 
     methods = [Method(AUTOCAST_NAIVE, under_autocast(naive)),
                Method(AUTOCAST_LIT, under_autocast(lambda x: (linear_logprobs(x["hidden"], x["weight"], x["targets"]),)))]
-    times, rows = _timed_rows(methods, x, reps)
+    times, rows = peers_cuda.timed_rows(methods, x, reps)
     del x
     torch.cuda.empty_cache()
     return {"tokens": n, "rows": rows, "time_ratio": paired_ratio(times, AUTOCAST_LIT, AUTOCAST_NAIVE)}

@@ -12,17 +12,16 @@ Run ``python -m benchmarks.tile_sweep_cuda`` on a GPU machine; writes ``results/
 
 from __future__ import annotations
 
-import statistics
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
-from benchmarks._peer_measure import interleaved_times, paired_ratio
+from benchmarks._peer_measure import paired_ratio
 from benchmarks._peer_methods import NAIVE, TIME_SHAPE, Inputs, Method, methods_for
 from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
-from benchmarks.peers_cuda import _fmt_bytes, _step, inputs, peak_extra, runnable
+from benchmarks.peers_cuda import _fmt_bytes, _step, inputs, result_header, runnable, timed_rows
 from lit_memopt.ops import linear_logprobs
 from lit_memopt.ops._fused_tiles import use_fused_tiles
 from lit_memopt.ops._head_tiles import CUDA_MIN_TILE_ELEMENTS, tile_sizes
@@ -52,11 +51,10 @@ def sweep_case(dtype: torch.dtype, precision: str, peers: dict, *, shape: dict[s
     runs = runnable(methods, x, absent)  # a method that cannot run here is dropped, its reason printed
     for a in absent:
         print(f"[tile_sweep] {a['method']}: {a['error']}", flush=True)
-    times = interleaved_times(runs, x, reps, step=_step, warmups=2)
-    rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]),
-             "ratio_vs_naive": paired_ratio(times, m.name, NAIVE),
-             "ratio_vs_cce": paired_ratio(times, m.name, CCE) if CCE in times else None,
-             "extra_bytes": peak_extra(m, x)} for m in runs]
+    times, rows = timed_rows(runs, x, reps)
+    for r in rows:
+        r["ratio_vs_naive"] = paired_ratio(times, r["method"], NAIVE)
+        r["ratio_vs_cce"] = paired_ratio(times, r["method"], CCE) if CCE in times else None
     profile = _profile(next(m for m in runs if "automatic" in m.name), x)
     del x
     torch.cuda.empty_cache()
@@ -98,16 +96,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/tile_sweep_cuda.py needs a CUDA device")
     peers = load_peers()
-    result: dict[str, Any] = {"benchmark": "tile_sweep_cuda", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "cuda_min_tile_elements": CUDA_MIN_TILE_ELEMENTS, "cases": []}
+    result = result_header("tile_sweep_cuda", "python -m benchmarks.tile_sweep_cuda", peers)
+    result["cuda_min_tile_elements"] = CUDA_MIN_TILE_ELEMENTS
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for dtype, precision in ((torch.bfloat16, "fast"), (torch.float32, "exact")):
             print(f"[tile_sweep] {dtype} {precision}", flush=True)
             result["cases"].append(sweep_case(dtype, precision, peers))
-    gpu = gpu_stem(result["gpu"])
-    print(to_markdown(result))
-    for path in write_results(f"tile_sweep_cuda_{gpu}", result, to_markdown(result)):
+    markdown = to_markdown(result)
+    print(markdown)
+    for path in write_results(f"tile_sweep_cuda_{gpu_stem(result['gpu'])}", result, markdown):
         print(f"wrote {path}")
     return 0
 

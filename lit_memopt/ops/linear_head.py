@@ -15,7 +15,6 @@ the tiled passes themselves are in ``_head_passes.py``, the tile planning and ca
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
