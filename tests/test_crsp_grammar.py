@@ -109,3 +109,29 @@ def test_compact_prompts_show_the_same_task_in_a_third_of_the_bytes():
     assert compact == "#solve\ndef f(s):\n    return s[::-1]\nInput: 'ab'\n"
     assert len(compact) < len(instruct) / 2.5
     assert _critique_prompt(task, "'ba'", "compact").endswith("Input: 'ab'\nProposed answer: 'ba'\n")
+
+
+def test_warm_start_guesses_replace_that_share_of_output_answers_with_another_inputs_output():
+    tasks = sample_tasks(2000, seed=7)
+    plain = warm_start_pairs(tasks, random.Random(0), 0.25, "compact")
+    assert plain == warm_start_pairs(tasks, random.Random(0), 0.25, "compact", guess_rate=0.0)
+    guessed = warm_start_pairs(tasks, random.Random(0), 0.25, "compact", guess_rate=0.4)
+    header = _HEADERS["compact"]["output"]
+    right = wrong = 0
+    for prompt, answer in guessed:
+        if not prompt.startswith(header):
+            continue
+        task = next(t for t in tasks[0::2] if f"{_program_text(t.program, 'compact')}Input: {t.inputs[0]}\n" in prompt)
+        if parse_answer(answer) == task.meta["outputs"][0]:
+            right += 1
+        else:  # a guess is a value the grammar produces: another input's output, never free text
+            wrong += 1
+            assert parse_answer(answer) is not None
+    assert right + wrong > 300
+    assert 0.3 < wrong / (right + wrong) < 0.5
+
+
+def test_a_guess_rate_outside_0_1_is_named():
+    for rate in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="data.warm_start_guess_rate"):
+            CodeTaskDataModule(family="grammar", warm_start_guess_rate=rate)

@@ -165,3 +165,37 @@ def test_the_fit_may_use_more_threads_and_gives_them_back():
     cores = local_cpu_share(1)
     assert cores == usable_cpu_cores()
     assert cores >= 1 and local_cpu_share(2) == max(1, cores // 2) and local_cpu_share(10**6) == 1
+
+
+def test_guesses_replace_that_share_of_answers_with_random_ones_of_the_same_length():
+    tok = _config().build_tokenizer()
+    plain = ReasoningPromptsDataModule(tok, task="mixed", num_val=32)
+    noisy = ReasoningPromptsDataModule(tok, task="mixed", num_val=32, warm_start_guess_rate=0.3)
+    # Rate 0 draws exactly what it drew before the option existed: every answer right.
+    for prompt, answer in plain.warm_start_examples(300, seed=5):
+        assert answer == _solve(prompt)
+    wrong = 0
+    for prompt, answer in noisy.warm_start_examples(2000, seed=5):
+        truth = _solve(prompt)
+        assert len(answer) == len(truth) and answer.lstrip("-").isdigit() == truth.lstrip("-").isdigit()
+        wrong += answer != truth
+    assert 0.22 < wrong / 2000 < 0.32  # 0.3, less the guesses that happen to be right
+    for rate in (-0.5, 1.0):
+        with pytest.raises(ValueError, match="data.warm_start_guess_rate"):
+            ReasoningPromptsDataModule(tok, warm_start_guess_rate=rate)
+
+
+def _solve(prompt: str) -> str:
+    """The right answer to a compact prompt, worked out independently of the datamodule."""
+    question = prompt.rstrip("=")
+    if question.startswith(("copy ", "reverse ")):
+        task, word = question.split(" ")
+        return word if task == "copy" else word[::-1]
+    if question.startswith("max("):
+        a, b = question[4:-1].split(",")
+        return str(max(int(a), int(b)))
+    for op, fn in (("+", int.__add__), ("-", int.__sub__), ("*", int.__mul__)):
+        if op in question:
+            a, b = question.split(op)
+            return str(fn(int(a), int(b)))
+    raise AssertionError(prompt)

@@ -143,6 +143,8 @@ class CodeTaskDataModule(pl.LightningDataModule):
         tasks: restrict the bank to these task names (``None``: all of it; bank family only).
         family: ``"bank"`` or ``"grammar"``.
         num_val: validation tasks (``None``: ``max(batch_size, 8)`` for the bank, 48 for the grammar).
+        warm_start_guess_rate: share of the CRSP warm start's output predictions answered with a plausible wrong
+            output (another input's), so the warm-started solver guesses where an imperfect pretrained model would.
 
     Raises:
         ValueError: non-positive ``batch_size``/``num_samples``/``num_val``, an unknown ``family``, or
@@ -164,6 +166,7 @@ class CodeTaskDataModule(pl.LightningDataModule):
         tasks: Sequence[str] | None = None,
         family: str = "bank",
         num_val: int | None = None,
+        warm_start_guess_rate: float = 0.0,
     ) -> None:
         super().__init__()
         if family not in FAMILIES:
@@ -172,6 +175,8 @@ class CodeTaskDataModule(pl.LightningDataModule):
             raise ValueError("data.tasks selects bank tasks; it does not apply to data.family=grammar (set it to null).")
         if num_val is not None and int(num_val) < 1:
             raise ValueError(f"data.num_val must be a positive integer or null, got {num_val!r}.")
+        if not 0.0 <= float(warm_start_guess_rate) < 1.0:
+            raise ValueError(f"data.warm_start_guess_rate must be in [0, 1), got {warm_start_guess_rate!r}.")
         if int(batch_size) < 1:
             raise ValueError(f"data.batch_size must be a positive integer, got {batch_size!r}.")
         if int(num_samples) < 1:
@@ -187,6 +192,7 @@ class CodeTaskDataModule(pl.LightningDataModule):
         self.seed = int(seed)
         self.tasks = [t for t in TASK_BANK if tasks is None or t.name in set(tasks)]
         self.family = family
+        self.warm_start_guess_rate = float(warm_start_guess_rate)
         self.num_val = int(num_val) if num_val is not None else (48 if family == "grammar" else max(self.batch_size, 8))
 
     def setup(self, stage: str | None = None) -> None:

@@ -44,6 +44,19 @@ def make_problem(
     raise ValueError(f"unknown task {task!r}; use one of {list(TASKS)}.")
 
 
+def guess_like(rng: random.Random, answer: str) -> str:
+    """A random answer of the same kind and length as ``answer``: digits for a number, letters for a word.
+
+    The warm start's stand-in for an unsure guess (``warm_start_guess_rate``): same length, so a guess cannot be told
+    from a right answer by its length.
+    """
+    alphabet = "0123456789" if answer.lstrip("-").isdigit() else _LETTERS
+    guess = "".join(rng.choice(alphabet) for _ in answer.lstrip("-"))
+    if alphabet == "0123456789" and len(guess) > 1:  # no leading zero: a number as the tasks write it
+        guess = rng.choice("123456789") + guess[1:]
+    return ("-" if answer.startswith("-") else "") + guess
+
+
 def format_prompt(question: str, style: str = "compact") -> str:
     """The text the model continues: ``compact`` for byte-level tiny models, ``instruct`` for real checkpoints."""
     if style == "compact":
@@ -152,6 +165,7 @@ class ReasoningPromptsDataModule(LightningDataModule):
         min_word_length: int = 2,
         seed: int = 1234,
         num_workers: int = 0,
+        warm_start_guess_rate: float = 0.0,
     ) -> None:
         super().__init__()
         if task not in TASKS and task not in TASK_GROUPS:
@@ -174,12 +188,15 @@ class ReasoningPromptsDataModule(LightningDataModule):
             )
         if int(num_workers) < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers!r}.")
+        if not 0.0 <= float(warm_start_guess_rate) < 1.0:
+            raise ValueError(f"data.warm_start_guess_rate must be in [0, 1), got {warm_start_guess_rate!r}.")
         self.tokenizer = tokenizer
         self.task, self.prompt_style = task, prompt_style
         self.num_train, self.num_val, self.batch_size = int(num_train), int(num_val), int(batch_size)
         self.max_operand, self.max_word_length = int(max_operand), int(max_word_length)
         self.min_word_length = int(min_word_length)
         self.seed, self.num_workers = int(seed), int(num_workers)
+        self.warm_start_guess_rate = float(warm_start_guess_rate)
         self.train_set: _PromptDataset | None = None
         self.val_set: _PromptDataset | None = None
 
@@ -217,8 +234,11 @@ class ReasoningPromptsDataModule(LightningDataModule):
         while len(pairs) < count:
             question, answer = self._problem(rng, tasks)
             prompt = format_prompt(question, self.prompt_style)
-            if prompt not in held_out:
-                pairs.append((prompt, answer if self.prompt_style == "compact" else f"Answer: {answer}"))
+            if prompt in held_out:
+                continue
+            if self.warm_start_guess_rate and rng.random() < self.warm_start_guess_rate:  # rate 0: the draw of before
+                answer = guess_like(rng, answer)
+            pairs.append((prompt, answer if self.prompt_style == "compact" else f"Answer: {answer}"))
         return pairs
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:

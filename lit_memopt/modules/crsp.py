@@ -584,7 +584,7 @@ class CRSPModule(pl.LightningModule):
             raise ValueError("a CRSP warm start needs CodeTaskDataModule(family='grammar') (data=code_tasks "
                              "data.family=grammar); or set module.warm_start.steps=0.")
         return warm_start_pairs(source(2 * count, seed), random.Random(seed), float(self.hparams.function_task_ratio),
-                                self._style)
+                                self._style, getattr(self.trainer.datamodule, "warm_start_guess_rate", 0.0))
 
 
 def _tasks_of(batch: dict[str, Any] | list[CodeTask]) -> list[CodeTask]:

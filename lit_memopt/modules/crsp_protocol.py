@@ -131,7 +131,7 @@ class _Task:
 
 
 def warm_start_pairs(tasks: list[CodeTask], rng: random.Random, function_task_ratio: float,
-                     style: str = "instruct") -> list[tuple[str, str]]:
+                     style: str = "instruct", guess_rate: float = 0.0) -> list[tuple[str, str]]:
     """``(prompt, answer)`` pairs of the three roles in CRSP's text protocol (prompts and programs in ``style``), one
     per two tasks with known outputs (``task.meta["outputs"]``; the second task of each two is the proposer's example
     or a source of wrong answers):
@@ -140,6 +140,9 @@ def warm_start_pairs(tasks: list[CodeTask], rng: random.Random, function_task_ra
     - solve (65%, split by ``function_task_ratio``): predict ``f(input)`` -> ``<answer>output</answer>``, or write
       ``f`` from the input/output pairs -> the program;
     - critique (20%): the task with a correct or a wrong output (another input's) -> ``Verdict: correct|incorrect``.
+
+    ``guess_rate``: the share of output predictions answered with a plausible wrong output (another input's) instead
+    of the right one, a stand-in for the guesses of an imperfect pretrained model that the sandbox reward can unlearn.
     """
     roles = ("propose", "output", "function", "critique")
     weights = (0.15, 0.65 * (1 - function_task_ratio), 0.65 * function_task_ratio, 0.2)
@@ -154,12 +157,13 @@ def warm_start_pairs(tasks: list[CodeTask], rng: random.Random, function_task_ra
             continue
         solvable = _Task(task.program, list(task.inputs), outputs, "function" if role == "function" else "output",
                          task.source)
+        wrong = [o for o in outputs[1:] + list(other.meta["outputs"]) if o != outputs[0]]
         if role == "output":
-            pairs.append((_solve_prompt(solvable, style), f"<answer>{outputs[0]}</answer>"))
+            guess = guess_rate > 0 and rng.random() < guess_rate and wrong  # rate 0: the draws of before
+            pairs.append((_solve_prompt(solvable, style), f"<answer>{rng.choice(wrong) if guess else outputs[0]}</answer>"))
         elif role == "function":
             pairs.append((_solve_prompt(solvable, style), _program_text(task.program, style)))
         else:
-            wrong = [o for o in outputs[1:] + list(other.meta["outputs"]) if o != outputs[0]]
             correct = rng.random() < 0.5 or not wrong
             shown = outputs[0] if correct else rng.choice(wrong)
             pairs.append((_critique_prompt(solvable, shown, style), f"Verdict: {'correct' if correct else 'incorrect'}"))
