@@ -106,7 +106,7 @@ class IntuitorModule(pl.LightningModule):
     generates_until_eos = True
 
     summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/accuracy_stderr", "val/accuracy_greedy",
-                    "val/accuracy_greedy_stderr", "val/self_certainty")
+                    "val/accuracy_greedy_stderr", "val/self_certainty", "train/accuracy")  # the last: with a checker
 
     def __init__(
         self,
