@@ -144,11 +144,12 @@ class CodeTaskDataModule(pl.LightningDataModule):
         family: ``"bank"`` or ``"grammar"``.
         num_val: validation tasks (``None``: ``max(batch_size, 8)`` for the bank, 48 for the grammar).
         warm_start_guess_rate: share of the CRSP warm start's output predictions answered with a plausible wrong
-            output (another input's), so the warm-started solver guesses where an imperfect pretrained model would.
+            output (another input's), so the warm-started solver guesses where an imperfect pretrained model would
+            (read by ``CRSPModule.warm_start_examples``; only the warm start sees it).
 
     Raises:
-        ValueError: non-positive ``batch_size``/``num_samples``/``num_val``, an unknown ``family``, or
-            unknown names in ``tasks``.
+        ValueError: non-positive ``batch_size``/``num_samples``/``num_val``, an unknown ``family``,
+            unknown names in ``tasks``, or a ``warm_start_guess_rate`` outside ``[0, 1)``.
 
     Example::
 

@@ -139,9 +139,13 @@ class ReasoningPromptsDataModule(LightningDataModule):
             has the same length, so a response cannot be rewarded for its length).
         seed: generator seed; the same seed gives the same prompts.
         num_workers: DataLoader worker processes.
+        warm_start_guess_rate: share of :meth:`warm_start_examples` answered with a random guess of the right kind
+            and length (:func:`guess_like`) instead of the answer: a warm-started policy that knows the answers but
+            samples guesses, for an RL phase to improve (the ``grpo`` recipe). Only the warm start sees it.
 
     Raises:
-        ValueError: on an unknown ``task`` or ``prompt_style``, or a non-positive size.
+        ValueError: on an unknown ``task`` or ``prompt_style``, a non-positive size, or a
+            ``warm_start_guess_rate`` outside ``[0, 1)``.
 
     Example::
 
