@@ -135,3 +135,16 @@ def test_a_guess_rate_outside_0_1_is_named():
     for rate in (-0.1, 1.0):
         with pytest.raises(ValueError, match="data.warm_start_guess_rate"):
             CodeTaskDataModule(family="grammar", warm_start_guess_rate=rate)
+
+
+def test_data_tasks_restricts_the_grammar_to_those_templates():
+    easy = CodeTaskDataModule(family="grammar", tasks=["length", "count"], num_val=16)
+    easy.setup("fit")
+    assert {t.name for t in easy.val_set} == {"length", "count"}
+    assert {t.name for t in easy.warm_start_tasks(64, seed=2)} == {"length", "count"}
+    assert all(not is_held_out(t.program, t.inputs[0]) for t in easy.warm_start_tasks(64, seed=2))
+    # null keeps the whole grammar and the draws of before
+    whole = CodeTaskDataModule(family="grammar")
+    assert whole.warm_start_tasks(32, seed=2) == sample_tasks(32, seed=2)
+    with pytest.raises(ValueError, match=r"unknown grammar templates \['fib'\].*'length'"):
+        CodeTaskDataModule(family="grammar", tasks=["fib", "length"])

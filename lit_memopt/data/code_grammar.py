@@ -23,11 +23,11 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from lit_memopt.data.code_tasks import CodeTask
 
-__all__ = ["GrammarTemplate", "TEMPLATES", "is_held_out", "sample_task", "sample_tasks", "held_out_tasks"]
+__all__ = ["GrammarTemplate", "TEMPLATES", "templates_named", "is_held_out", "sample_task", "sample_tasks", "held_out_tasks"]
 
 _LETTERS = "abcde"  # a small alphabet, so that s.count('c') and friends are often non-zero
 _MAX_INT = 12
@@ -74,6 +74,22 @@ TEMPLATES: tuple[GrammarTemplate, ...] = (
 )
 
 
+def templates_named(names: Sequence[str] | None) -> tuple[GrammarTemplate, ...]:
+    """The templates called ``names`` (``None``: all of them, in their order).
+
+    Raises:
+        ValueError: a name no template has.
+    """
+    if names is None:
+        return TEMPLATES
+    known = {t.name for t in TEMPLATES}
+    unknown = sorted(set(names) - known)
+    if unknown or not names:
+        raise ValueError(f"data.tasks has unknown grammar templates {unknown}; choose one or more of "
+                         f"{[t.name for t in TEMPLATES]}, or null for all.")
+    return tuple(t for t in TEMPLATES if t.name in set(names))
+
+
 def is_held_out(program: str, argument: str) -> bool:
     """Whether ``f(argument)`` of ``program`` belongs to the held-out split (deterministic, about 1 in 8)."""
     digest = hashlib.sha1(f"{program}|{argument}".encode()).digest()
@@ -88,15 +104,16 @@ def _argument(rng: random.Random, arg: str) -> tuple[object, str]:
     return value, repr(value)
 
 
-def sample_task(rng: random.Random, num_inputs: int = 3, held_out: bool | None = False) -> CodeTask:
+def sample_task(rng: random.Random, num_inputs: int = 3, held_out: bool | None = False,
+                templates: Sequence[GrammarTemplate] = TEMPLATES) -> CodeTask:
     """One grammar task with ``num_inputs`` distinct inputs; ``meta["outputs"]`` holds the ``repr`` of each result.
 
     ``held_out=False`` (training and warm start): no ``(program, input)`` pair of the task is held out.
     ``held_out=True`` (validation): the first input (the one an output-prediction task asks about) is.
-    ``None``: no constraint.
+    ``None``: no constraint. ``templates``: the productions to draw from (all of them by default).
     """
     while True:
-        template = rng.choice(TEMPLATES)
+        template = rng.choice(templates)
         a, b, c = rng.randint(*template.a_range), rng.randint(0, 9), rng.choice(_LETTERS)
         program = template.program(a, b, c)
         values: list[object] = []
@@ -120,19 +137,21 @@ def sample_task(rng: random.Random, num_inputs: int = 3, held_out: bool | None =
                         meta={"outputs": outputs})
 
 
-def sample_tasks(count: int, seed: int, num_inputs: int = 3) -> list[CodeTask]:
+def sample_tasks(count: int, seed: int, num_inputs: int = 3,
+                 templates: Sequence[GrammarTemplate] = TEMPLATES) -> list[CodeTask]:
     """``count`` training tasks (no held-out pair) from the seed."""
     rng = random.Random(seed)
-    return [sample_task(rng, num_inputs, held_out=False) for _ in range(int(count))]
+    return [sample_task(rng, num_inputs, held_out=False, templates=templates) for _ in range(int(count))]
 
 
-def held_out_tasks(count: int, seed: int, num_inputs: int = 3) -> list[CodeTask]:
+def held_out_tasks(count: int, seed: int, num_inputs: int = 3,
+                   templates: Sequence[GrammarTemplate] = TEMPLATES) -> list[CodeTask]:
     """``count`` distinct validation tasks whose asked pair (program, first input) is held out."""
     rng = random.Random(seed)
     seen: set[tuple[str, str]] = set()
     tasks: list[CodeTask] = []
     while len(tasks) < int(count):
-        task = sample_task(rng, num_inputs, held_out=True)
+        task = sample_task(rng, num_inputs, held_out=True, templates=templates)
         key = (task.program, task.inputs[0])
         if key not in seen:
             seen.add(key)

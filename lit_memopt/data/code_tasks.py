@@ -140,7 +140,8 @@ class CodeTaskDataModule(pl.LightningDataModule):
         batch_size: seed tasks per step.
         num_samples: draws per epoch (the loader cycles through epochs as needed).
         seed: sampling seed.
-        tasks: restrict the bank to these task names (``None``: all of it; bank family only).
+        tasks: restrict the family to these names: bank tasks, or grammar templates (``code_grammar.TEMPLATES``:
+            ``length``, ``count``...); ``None``: all of them.
         family: ``"bank"`` or ``"grammar"``.
         num_val: validation tasks (``None``: ``max(batch_size, 8)`` for the bank, 48 for the grammar).
         warm_start_guess_rate: share of the CRSP warm start's output predictions answered with a plausible wrong
@@ -172,8 +173,6 @@ class CodeTaskDataModule(pl.LightningDataModule):
         super().__init__()
         if family not in FAMILIES:
             raise ValueError(f"data.family={family!r} is not supported; use one of {list(FAMILIES)}.")
-        if family == "grammar" and tasks is not None:
-            raise ValueError("data.tasks selects bank tasks; it does not apply to data.family=grammar (set it to null).")
         if num_val is not None and int(num_val) < 1:
             raise ValueError(f"data.num_val must be a positive integer or null, got {num_val!r}.")
         if not 0.0 <= float(warm_start_guess_rate) < 1.0:
@@ -183,7 +182,13 @@ class CodeTaskDataModule(pl.LightningDataModule):
         if int(num_samples) < 1:
             raise ValueError(f"data.num_samples must be a positive integer, got {num_samples!r}.")
         names = {t.name for t in TASK_BANK}
-        if tasks is not None:
+        self.grammar_templates: tuple = ()
+        if family == "grammar":
+            # The grammar module builds on CodeTask (this module): imported here, not at the top.
+            from lit_memopt.data.code_grammar import templates_named
+
+            self.grammar_templates = templates_named(tasks)
+        elif tasks is not None:
             unknown = sorted(set(tasks) - names)
             if unknown:
                 raise ValueError(f"data.tasks has unknown names {unknown}; choose from {sorted(names)}.")
@@ -201,8 +206,9 @@ class CodeTaskDataModule(pl.LightningDataModule):
             # The grammar module builds on CodeTask (this module): imported here, not at the top.
             from lit_memopt.data.code_grammar import held_out_tasks, sample_task
 
-            self.train_set = _TaskSampler(functools.partial(sample_task, held_out=False), self.num_samples, self.seed)
-            self.val_set = held_out_tasks(self.num_val, self.seed + 1)
+            draw = functools.partial(sample_task, held_out=False, templates=self.grammar_templates)
+            self.train_set = _TaskSampler(draw, self.num_samples, self.seed)
+            self.val_set = held_out_tasks(self.num_val, self.seed + 1, templates=self.grammar_templates)
         else:
             draw = functools.partial(_draw_from_bank, self.tasks)
             self.train_set = _TaskSampler(draw, self.num_samples, self.seed)
@@ -220,7 +226,7 @@ class CodeTaskDataModule(pl.LightningDataModule):
                              "set data.family=grammar or module.warm_start.steps=0.")
         from lit_memopt.data.code_grammar import sample_tasks
 
-        return sample_tasks(count, seed)
+        return sample_tasks(count, seed, templates=self.grammar_templates)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate)
