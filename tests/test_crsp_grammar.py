@@ -148,3 +148,5 @@ def test_data_tasks_restricts_the_grammar_to_those_templates():
     assert whole.warm_start_tasks(32, seed=2) == sample_tasks(32, seed=2)
     with pytest.raises(ValueError, match=r"unknown grammar templates \['fib'\].*'length'"):
         CodeTaskDataModule(family="grammar", tasks=["fib", "length"])
+    with pytest.raises(ValueError, match="data.tasks is empty"):
+        CodeTaskDataModule(family="grammar", tasks=[])

@@ -85,8 +85,8 @@ def templates_named(names: Sequence[str] | None) -> tuple[GrammarTemplate, ...]:
     known = {t.name for t in TEMPLATES}
     unknown = sorted(set(names) - known)
     if unknown or not names:
-        raise ValueError(f"data.tasks has unknown grammar templates {unknown}; choose one or more of "
-                         f"{[t.name for t in TEMPLATES]}, or null for all.")
+        problem = f"has unknown grammar templates {unknown}" if unknown else "is empty"
+        raise ValueError(f"data.tasks {problem}; choose one or more of {[t.name for t in TEMPLATES]}, or null for all.")
     return tuple(t for t in TEMPLATES if t.name in set(names))
 
 
