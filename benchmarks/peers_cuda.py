@@ -57,7 +57,8 @@ def inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> I
     return x
 
 
-def _step(m: Method, x: Inputs) -> float:
+def timed_step(m: Method, x: Inputs) -> float:
+    """Seconds of one forward+backward of ``m`` on ``x``, the GPU synchronised on both sides."""
     _clear_grads(x)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -83,7 +84,7 @@ def peak_extra(m: Method, x: Inputs) -> int:
 
 def timed_rows(methods: list[Method], x: Inputs, reps: int) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
     """Interleaved forward+backward times of ``methods`` on ``x``, and a row per method with its median and peak extra memory."""
-    times = interleaved_times(methods, x, reps, step=_step, warmups=2)
+    times = interleaved_times(methods, x, reps, step=timed_step, warmups=2)
     rows = [{"method": m.name, "median_ms": 1e3 * statistics.median(times[m.name]), "extra_bytes": peak_extra(m, x)}
             for m in methods]
     return times, rows
@@ -94,7 +95,7 @@ def runnable(methods: list[Method], x: Inputs, absent: list[dict[str, str]]) -> 
     ok = []
     for m in methods:
         try:
-            _step(m, x)
+            timed_step(m, x)
             ok.append(m)
         except Exception as exc:  # noqa: BLE001 - reported, never faked
             absent.append({"peer": m.peer or m.name, "method": m.name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]})
@@ -132,7 +133,7 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
     methods = [m for m in methods if "error" not in errors.get(m.name, {})]
     absent += [{"peer": n, "method": n, "error": e["error"]} for n, e in errors.items() if "error" in e]
     methods = runnable(methods, x, absent)
-    times = interleaved_times(methods, x, reps, step=_step, warmups=2)
+    times = interleaved_times(methods, x, reps, step=timed_step, warmups=2)
     rows = []
     for m in methods:
         row: dict[str, Any] = {"method": m.name, "peer": m.peer, **errors.get(m.name, {}),
@@ -147,7 +148,8 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
             "absent": absent, "times": times, "reference_scale": errors.get("_reference_scale")}
 
 
-def _fmt_bytes(n: Optional[int]) -> str:
+def fmt_bytes(n: Optional[int]) -> str:
+    """``n`` bytes as the result tables print them (GiB from a tenth of one, else MiB; a dash for none)."""
     return "—" if n is None else (f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 10 else f"{n / 2**20:.1f} MiB")
 
 
@@ -170,7 +172,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             vs_peer = f"{paired_ratio(c['times'], r['method'], fastest['method']):.2f}x" if fastest else "—"
             errs = [f"{r[k]:.2e}" if k in r else "—" for k in ("value_err", "grad_hidden_err", "grad_weight_err")]
             lines.append(f"| {r['method']} | {r['median_ms']:.2f} | {r['ratio_vs_naive']:.2f}x | {vs_peer} | "
-                         + " | ".join(errs) + f" | {_fmt_bytes(r.get('extra_bytes'))} |")
+                         + " | ".join(errs) + f" | {fmt_bytes(r.get('extra_bytes'))} |")
         for a in c["absent"]:
             lines.append(f"\n{a['method']}: absent here — `{a['error']}`")
         lines.append("")

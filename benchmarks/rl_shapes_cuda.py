@@ -87,7 +87,7 @@ def autocast_markdown(cases: list[dict[str, Any]]) -> str:
     def cells(c: dict[str, Any]) -> list[str]:
         naive, lit = c["rows"]
         return [str(c["tokens"]), f"{naive['median_ms']:.2f}", f"{lit['median_ms']:.2f}", f"{c['time_ratio']:.2f}x",
-                peers_cuda._fmt_bytes(naive["extra_bytes"]), peers_cuda._fmt_bytes(lit["extra_bytes"])]
+                peers_cuda.fmt_bytes(naive["extra_bytes"]), peers_cuda.fmt_bytes(lit["extra_bytes"])]
     return _section(f"logprobs · fp32 head under bf16 autocast · H=1536, V=151936 ({REPS} repetitions)",
                     ["N", "naive ms", 'lit-memopt "auto" ms', "vs naive", "naive extra memory", "lit-memopt extra memory"],
                     [cells(c) for c in cases])
@@ -97,7 +97,7 @@ def masked_markdown(cases: list[dict[str, Any]]) -> str:
     def cells(c: dict[str, Any]) -> list[str]:
         full, masked = c["rows"]
         return [str(c["tokens"]), str(c["counted_rows"]), f"{full['median_ms']:.2f}", f"{masked['median_ms']:.2f}",
-                f"{c['time_ratio']:.2f}x", peers_cuda._fmt_bytes(full["extra_bytes"]), peers_cuda._fmt_bytes(masked["extra_bytes"]),
+                f"{c['time_ratio']:.2f}x", peers_cuda.fmt_bytes(full["extra_bytes"]), peers_cuda.fmt_bytes(masked["extra_bytes"]),
                 f"{c['memory_ratio']:.2f}x"]
     return _section(f"logprobs · bfloat16 · H=1536, V=151936 · {MASKED_SHARE:.0%} of rows ignored vs none ({REPS} repetitions)",
                     ["N", "counted rows", "unmasked ms", "masked ms", "time ratio", "unmasked extra memory",

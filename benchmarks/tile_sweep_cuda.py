@@ -21,7 +21,7 @@ from benchmarks._peer_measure import paired_ratio
 from benchmarks._peer_methods import NAIVE, TIME_SHAPE, Inputs, Method, methods_for
 from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
-from benchmarks.peers_cuda import _fmt_bytes, _step, inputs, result_header, runnable, timed_rows
+from benchmarks.peers_cuda import fmt_bytes, inputs, result_header, runnable, timed_rows, timed_step
 from lit_memopt.ops import linear_logprobs
 from lit_memopt.ops._fused_tiles import use_fused_tiles
 from lit_memopt.ops._head_tiles import CUDA_MIN_TILE_ELEMENTS, tile_sizes
@@ -66,10 +66,10 @@ def _profile(m: Method, x: Inputs) -> str:
     """The profiler's table of one step (after warm-up), by host time: where a tile's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    _step(m, x)
+    timed_step(m, x)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x["hidden"].is_cuda else [])
     with profile(activities=activities) as prof:
-        _step(m, x)
+        timed_step(m, x)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60)
 
 
@@ -87,7 +87,7 @@ def to_markdown(result: dict[str, Any]) -> str:
                   "| method | median ms | vs naive | vs CCE | extra memory |", "|---|---:|---:|---:|---:|"]
         for r in case["rows"]:
             lines.append(f"| {r['method']} | {r['median_ms']:.2f} | {fmt(r['ratio_vs_naive'])} | {fmt(r['ratio_vs_cce'])} | "
-                         f"{_fmt_bytes(r['extra_bytes'])} |")
+                         f"{fmt_bytes(r['extra_bytes'])} |")
         lines += ["", "Profile of the automatic step (by host time):", "", "```", case["profile"], "```", ""]
     return "\n".join(lines)
 
