@@ -11,7 +11,8 @@ every method runs on the GPU, as its users run it:
 
 Shapes: the issue's N=2048, H=512, V=32000 (fp32 and bf16), and a Qwen3-4B head at 8192 tokens
 (N=8192, H=2560, V=151936, bf16). lit-memopt's tile maths run as compiled kernels on CUDA (its default); the
-``"fast", eager tiles`` row is the same op with ``LIT_MEMOPT_FUSED_TILES=0``. Cut Cross-Entropy runs its Triton kernel (``impl="cce"``), Liger its
+``"fast", one compiled graph per pass`` row is the same op with ``LIT_MEMOPT_WHOLE_PASS=1`` (opt-in) and the
+``"fast", eager tiles`` row with ``LIT_MEMOPT_FUSED_TILES=0``. Cut Cross-Entropy runs its Triton kernel (``impl="cce"``), Liger its
 Triton fused linear cross-entropy and its chunked GRPO loss. Writes ``results/peers_cuda_<gpu>.{md,json}``.
 Run ``python -m benchmarks.peers_cuda [--quick]`` on a GPU machine.
 """
@@ -105,29 +106,39 @@ def runnable(methods: list[Method], x: Inputs, absent: list[dict[str, str]]) -> 
 
 
 LIT_FAST_EAGER = 'lit-memopt "fast", eager tiles'
+LIT_FAST_WHOLE_PASS = 'lit-memopt "fast", one compiled graph per pass'
 
 
-def _with_eager_tiles(method: Method) -> Method:
-    """``method`` with the tile maths as eager ops (``LIT_MEMOPT_FUSED_TILES=0``; the choice is made at the forward)."""
+def _with_env(method: Method, name: str, variable: str, value: str) -> Method:
+    """``method`` run with the environment ``variable`` set to ``value`` (lit-memopt reads its tile settings at the
+    forward), under ``name``; the user's setting is restored after each call."""
     def fn(x: Inputs) -> Any:
-        before = os.environ.get("LIT_MEMOPT_FUSED_TILES")
-        os.environ["LIT_MEMOPT_FUSED_TILES"] = "0"
+        before = os.environ.get(variable)
+        os.environ[variable] = value
         try:
             return method.fn(x)
         finally:
             if before is None:
-                del os.environ["LIT_MEMOPT_FUSED_TILES"]
+                del os.environ[variable]
             else:
-                os.environ["LIT_MEMOPT_FUSED_TILES"] = before
-    return Method(LIT_FAST_EAGER, fn)
+                os.environ[variable] = before
+    return Method(name, fn)
+
+
+def lit_variants(fast: Method) -> list[Method]:
+    """The same ``"fast"`` op with each pass as one compiled graph (``LIT_MEMOPT_WHOLE_PASS=1``, opt-in; calls with
+    one row tile and at most 16 vocabulary tiles), and with eager tile maths (``LIT_MEMOPT_FUSED_TILES=0``)."""
+    return [_with_env(fast, LIT_FAST_WHOLE_PASS, "LIT_MEMOPT_WHOLE_PASS", "1"),
+            _with_env(fast, LIT_FAST_EAGER, "LIT_MEMOPT_FUSED_TILES", "0")]
 
 
 def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers: dict, *, exact: bool, memory: bool,
             device: str = "cuda") -> dict[str, Any]:
     methods, absent = methods_for(op, dtype, peers, device=device)
     fast = next((m for m in methods if m.name == LIT_FAST), None)
-    if fast is not None:  # the compiled tile kernels against the eager tile loop, in the same repetitions
-        methods.insert(methods.index(fast) + 1, _with_eager_tiles(fast))
+    if fast is not None:  # compiled tiles against one compiled pass and the eager tile loop, in the same repetitions
+        at = methods.index(fast) + 1
+        methods[at:at] = lit_variants(fast)
     x = inputs(shape, dtype, torch.device(device))
     errors = exactness(methods, x) if exact else {}
     methods = [m for m in methods if "error" not in errors.get(m.name, {})]

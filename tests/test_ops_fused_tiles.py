@@ -121,8 +121,8 @@ def test_a_compiler_failure_falls_back_to_the_eager_maths_with_one_warning(monke
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setattr(fused_tiles, "fold_tile", fused_tiles._compiled(fused_tiles._fold_tile))
-    monkeypatch.setattr(fused_tiles, "tile_logit_gradient", fused_tiles._compiled(fused_tiles._tile_logit_gradient))
+    monkeypatch.setattr(fused_tiles, "fold_tile", fused_tiles.compiled_once(fused_tiles._fold_tile))
+    monkeypatch.setattr(fused_tiles, "tile_logit_gradient", fused_tiles.compiled_once(fused_tiles._tile_logit_gradient))
     import lit_memopt.ops._head_passes as passes
 
     monkeypatch.setattr(passes, "fold_tile", fused_tiles.fold_tile)
@@ -145,7 +145,7 @@ def test_an_out_of_memory_error_inside_a_compiled_kernel_reaches_the_caller(monk
         return run
 
     monkeypatch.setattr(torch, "compile", oom_compile)
-    call = fused_tiles._compiled(fused_tiles._fold_tile)
+    call = fused_tiles.compiled_once(fused_tiles._fold_tile)
     z = torch.zeros(2, 3)
     with pytest.raises(torch.OutOfMemoryError):
         call(z, None, z[:, 0], z[:, 0], None, None, None, None, 0, None, None, None)

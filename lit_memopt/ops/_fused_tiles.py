@@ -40,7 +40,7 @@ def use_fused_tiles(device: torch.device, fake: bool) -> bool:
     return mode == "1" or device.type == "cuda"
 
 
-def _compiled(fn: Callable) -> Callable:
+def compiled_once(fn: Callable) -> Callable:
     """``fn`` compiled once per process (dynamic shapes: full and edge tiles share one kernel).
 
     Where compiling fails (no working Triton or C++ compiler, an unsupported device) the process warns
@@ -136,5 +136,5 @@ def _tile_logit_gradient(z: Tensor, ref_z: Optional[Tensor], lse: Tensor, mu: Op
     return grad.to(out_dtype), (grad.sum(0) if want_column_sums else None)
 
 
-fold_tile = _compiled(_fold_tile)
-tile_logit_gradient = _compiled(_tile_logit_gradient)
+fold_tile = compiled_once(_fold_tile)
+tile_logit_gradient = compiled_once(_tile_logit_gradient)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lit_memopt.ops._fused_tiles import fold_tile, tile_logit_gradient
 from lit_memopt.ops._head_tiles import LogitTransform, TileMath, exp_, is_fake, tile_starts
+from lit_memopt.ops._whole_pass import whole_backward, whole_forward
 
 # Backward walks the rows in super-blocks of this many row tiles, so its fp32 hidden-gradient
 # accumulator is [super-block, H] (a few tile budgets) instead of [N, H]. More row tiles per block
@@ -37,6 +38,7 @@ class _HeadSpec:
     vocab_tile: int
     low_precision: Optional[torch.dtype]  # the tile matmuls' dtype for "fast"; None: fp32 tiles ("exact")
     fused: bool = False  # tile maths as compiled kernels (ops/_fused_tiles.py), decided once for forward and backward
+    whole_pass: bool = False  # each pass one compiled graph over all vocabulary tiles (ops/_whole_pass.py; one row tile)
 
     def wants(self, name: str) -> bool:
         return name in self.outputs
@@ -137,6 +139,8 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
                         ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
     """Per-row ``lse`` plus what the requested outputs need: ``target_z``, ``mu`` (= E_p[z]),
     ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref]), for the rows ``keep`` (all when ``None``)."""
+    if spec.whole_pass:
+        return _whole_forward_statistics(spec, math_, hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, keep)
     n, vocab = _pass_rows(hidden, keep), weight.shape[0]
     rt, vt = spec.row_tile, spec.vocab_tile
     # Only the statistics the requested outputs read (each is a kernel launch per call on a GPU).
@@ -166,6 +170,25 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
             stats["ref_lse"][r0:r1] = run.ref_max + torch.log(run.ref_sum)
             stats["mu_d"][r0:r1] = run.sum_ed / run.sum
     return stats
+
+
+def _counted(t: Optional[Tensor], keep: Optional[Tensor]) -> Optional[Tensor]:
+    """The rows of ``t`` that reach the matmuls (all, or those in ``keep``); one row tile's worth in a whole pass."""
+    return t if t is None or keep is None else t.index_select(0, keep)
+
+
+def _whole_forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                              targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
+                              ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
+    """:func:`_forward_statistics` as one compiled call (``_whole_pass.py``)."""
+    kl, transform = spec.wants("kl"), spec.transform
+    lse, target_z, mu, mean_z, ref_lse, mu_d = whole_forward(
+        _counted(hidden, keep), weight, bias, targets if spec.wants("logprobs") else None,
+        _counted(ref_hidden, keep) if kl else None, ref_weight if kl else None, ref_bias if kl else None,
+        spec.vocab_tile, math_.matmul_dtype, math_.stat_dtype, math_.fp32_out,
+        transform.softcap, transform.logit_scale, transform.inv_temperature, spec.wants("entropy"), spec.wants("self_certainty"))
+    stats = {"lse": lse, "target_z": target_z, "mu": mu, "mean_z": mean_z, "ref_lse": ref_lse, "mu_d": mu_d}
+    return {name: value for name, value in stats.items() if value is not None}
 
 
 @dataclass
@@ -247,6 +270,17 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
     coeffs = _RowGradients.from_upstream(spec, grads, n, vocab, stat_dtype, device)
     stat_bias = None if bias is None else bias.to(stat_dtype)
     stat_ref_bias = None if ref_bias is None else ref_bias.to(stat_dtype)
+    if spec.whole_pass:
+        transform, g_kl = spec.transform, coeffs.g_kl
+        with _NoAutocast(device.type), torch.no_grad():
+            grad_h, grad_w, grad_b = whole_backward(
+                _counted(hidden, keep), weight, stat_bias, targets if coeffs.g_lp is not None else None,
+                _counted(ref_hidden, keep) if g_kl is not None else None, ref_weight if g_kl is not None else None,
+                stat_ref_bias if g_kl is not None else None, lse, mu if coeffs.g_ent is not None else None,
+                mu_d if g_kl is not None else None, coeffs.alpha, coeffs.g_lp, coeffs.g_ent, g_kl, coeffs.uniform,
+                spec.vocab_tile, math_.matmul_dtype, stat_dtype, math_.fp32_out,
+                transform.softcap, transform.logit_scale, transform.inv_temperature, need_h, need_w, need_b)
+        return grad_h, grad_w, grad_b.to(bias.dtype) if need_b else None
     rt, vt = spec.row_tile, spec.vocab_tile
     block_rows = rt * _SUPER_BLOCK_ROW_TILES
     # fp32 hidden states: the output itself is the accumulator; otherwise one super-block's

@@ -1,0 +1,159 @@
+"""The fused head's two passes, each as one compiled graph over all its vocabulary tiles (opt-in:
+``LIT_MEMOPT_WHOLE_PASS=1``; for small calls on CUDA).
+
+A tiled pass on a GPU costs host work per tile: slicing, a matmul launch or three, and a call into the
+compiled tile kernels (``_fused_tiles.py``). For the calls RL steps make (a few hundred to a few thousand
+rows) that host work, not the GPU, sets the time. Here each pass is one function with the vocabulary loop
+written out, compiled once (``torch.compile`` unrolls the loop: cuBLAS products and a few fused kernels
+per tile, launched by one call), so the host work per call is two compiled calls.
+
+Measured on an H100 (``benchmarks/results/peers_cuda_nvidia_h100_80gb_hbm3.md``, one run, interleaved):
+bf16 log-probs at N=2048, H=512, V=32000 took 2.53 ms against 3.49 ms tile by tile and 2.76 ms for Cut
+Cross-Entropy's Triton kernel, with 0.25 GiB of extra memory against 0.13 GiB. It is opt-in because the
+compiled graph does not keep the tiled pass's memory bound on a GPU: at N=4096, H=1024, V=50000 (13
+vocabulary tiles) the step took 1.10 GB beyond its inputs and gradients, about 17 logits tiles, where the
+tiled pass keeps a few (``tests/test_cuda.py``'s bound is a tenth of the full-logits path's 3.17 GB).
+The compiler is free to order the unrolled tiles' kernels as it likes, and on the GPU it kept many tiles
+alive at once. On the CPU the same graphs keep about the tiled pass's memory (tested).
+
+The maths per tile are the pure functions of ``_fused_tiles.py`` (the same as the eager tiles'), on the
+tiles of the tiled pass. The tiled passes (``_head_passes.py``) keep every call this one does not take:
+several row tiles, more than :data:`MAX_WHOLE_PASS_TILES` vocabulary tiles (a long unrolled graph
+compiles slowly), fake tensors (the estimator), and tile maths that are not compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lit_memopt.ops._fused_tiles import _fold_tile, _tile_logit_gradient, compiled_once
+
+# ``LIT_MEMOPT_WHOLE_PASS``: "0" (default: tile by tile) or "1" (one compiled graph per pass wherever the tile
+# kernels are compiled and the call fits one row tile).
+_ENV = "LIT_MEMOPT_WHOLE_PASS"
+_MODES = ("0", "1")
+# More vocabulary tiles than this and a pass runs tile by tile: each unrolled tile adds to the compile
+# time (seconds for ten tiles on an H100), and calls with that many tiles are long enough to hide their
+# host work behind the GPU's.
+MAX_WHOLE_PASS_TILES = 16
+
+
+def whole_pass_vocab_tile(fused: bool, rows: int, row_tile: int, vocab: int, vocab_tile: int, *, explicit: bool) -> Optional[int]:
+    """The vocabulary tile of a whole-pass call, or ``None`` where the call runs tile by tile.
+
+    Automatic tiles are rounded down to a power of two: the compiled graph depends on the tile, and the
+    tile on the row count, so a few sizes serve an RL run's changing row counts without a compile each.
+    """
+    mode = os.environ.get(_ENV, "0")
+    if mode not in _MODES:
+        raise ValueError(f"{_ENV} must be one of {_MODES}, got {mode!r}")
+    if mode == "0" or not fused or rows > row_tile or rows == 0:
+        return None
+    tile = vocab_tile if explicit or vocab_tile >= vocab else 1 << int(math.log2(vocab_tile))
+    return tile if math.ceil(vocab / tile) <= MAX_WHOLE_PASS_TILES else None
+
+
+def _product(a: Tensor, b: Tensor, stat_dtype: torch.dtype, fp32_out: bool) -> Tensor:
+    """``a @ b`` in the statistics dtype: fp32 operands multiply as they are; bf16/fp16 ones accumulate into fp32
+    on CUDA (``out_dtype``) or come out in their own dtype first elsewhere (as the tiled pass's ``TileMath``)."""
+    if a.dtype == stat_dtype:
+        return a @ b
+    if fp32_out:
+        return torch.mm(a, b, out_dtype=stat_dtype)
+    return (a @ b).to(stat_dtype)
+
+
+def _logits(h: Tensor, w: Tensor, bias: Optional[Tensor], stat_dtype: torch.dtype, fp32_out: bool,
+            softcap: Optional[float], logit_scale: float, inv_temperature: float) -> Tensor:
+    """The transformed logits tile (``LogitTransform``, written without in-place ops)."""
+    raw = _product(h, w.t(), stat_dtype, fp32_out)
+    if bias is not None:
+        raw = raw + bias
+    if softcap is not None:
+        return torch.tanh(raw * (logit_scale / softcap)) * (softcap * inv_temperature)
+    scale = logit_scale * inv_temperature
+    return raw if scale == 1.0 else raw * scale
+
+
+def _forward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optional[Tensor], ref_h: Optional[Tensor],
+             ref_weight: Optional[Tensor], ref_bias: Optional[Tensor], vocab_tile: int, matmul_dtype: torch.dtype,
+             stat_dtype: torch.dtype, fp32_out: bool, softcap: Optional[float], logit_scale: float, inv_temperature: float,
+             want_entropy: bool, want_self_certainty: bool):
+    """Per-row ``(lse, target_z, mu, mean_z, ref_lse, mu_d)`` of ``_head_passes._forward_statistics``; ``None``
+    for what is not asked (``target_z`` with ``targets``, the reference's with ``ref_h``)."""
+    n, vocab = h.shape[0], weight.shape[0]
+    new = lambda fill: torch.full((n,), fill, dtype=stat_dtype, device=h.device)  # noqa: E731
+    run_max, run_sum = new(-math.inf), new(0.0)
+    sum_ez = new(0.0) if want_entropy else None
+    sum_z = new(0.0) if want_self_certainty else None
+    target_z = new(0.0) if targets is not None else None
+    kl = ref_h is not None
+    ref_max, ref_sum, sum_ed = (new(-math.inf), new(0.0), new(0.0)) if kl else (None, None, None)
+    h = h.to(matmul_dtype)
+    ref_h = ref_h.to(matmul_dtype) if kl else None
+    for v0 in range(0, vocab, vocab_tile):
+        v1 = min(v0 + vocab_tile, vocab)
+        at = lambda b: None if b is None else b[v0:v1]  # noqa: E731
+        z = _logits(h, weight[v0:v1].to(matmul_dtype), at(bias), stat_dtype, fp32_out, softcap, logit_scale, inv_temperature)
+        ref_z = None
+        if kl:
+            ref_z = _logits(ref_h, ref_weight[v0:v1].to(matmul_dtype), at(ref_bias), stat_dtype, fp32_out, softcap,
+                            logit_scale, inv_temperature)
+        run_max, run_sum, sum_ez, sum_z, target_z, ref_max, ref_sum, sum_ed = _fold_tile(
+            z, ref_z, run_max, run_sum, sum_ez, sum_z, target_z, targets, v0, ref_max, ref_sum, sum_ed)
+    lse = run_max + torch.log(run_sum)
+    mu = sum_ez / run_sum if want_entropy else None
+    mean_z = sum_z / vocab if want_self_certainty else None
+    ref_lse = ref_max + torch.log(ref_sum) if kl else None
+    mu_d = sum_ed / run_sum if kl else None
+    return lse, target_z, mu, mean_z, ref_lse, mu_d
+
+
+def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optional[Tensor], ref_h: Optional[Tensor],
+              ref_weight: Optional[Tensor], ref_bias: Optional[Tensor], lse: Tensor, mu: Optional[Tensor],
+              mu_d: Optional[Tensor], alpha: Tensor, g_lp: Optional[Tensor], g_ent: Optional[Tensor], g_kl: Optional[Tensor],
+              uniform: Optional[Tensor], vocab_tile: int, matmul_dtype: torch.dtype, stat_dtype: torch.dtype,
+              fp32_out: bool, softcap: Optional[float], logit_scale: float, inv_temperature: float,
+              need_h: bool, need_w: bool, need_b: bool):
+    """``(grad_h, grad_w, grad_b)`` of ``_head_passes._backward_tiles`` for one row tile: the hidden gradient
+    accumulated in the statistics dtype and returned in ``h``'s, each weight-gradient tile one product (in
+    the weight's dtype, rounded once), the bias gradient in the statistics dtype."""
+    vocab = weight.shape[0]
+    h_op = h.to(matmul_dtype)
+    ref_h = ref_h.to(matmul_dtype) if g_kl is not None else None
+    grad_h = torch.zeros(h.shape, dtype=stat_dtype, device=h.device) if need_h else None
+    weight_tiles, bias_tiles = [], []
+    for v0 in range(0, vocab, vocab_tile):
+        v1 = min(v0 + vocab_tile, vocab)
+        at = lambda b: None if b is None else b[v0:v1]  # noqa: E731
+        w = weight[v0:v1].to(matmul_dtype)
+        z = _logits(h_op, w, at(bias), stat_dtype, fp32_out, softcap, logit_scale, inv_temperature)
+        ref_z = None
+        if ref_h is not None:
+            ref_z = _logits(ref_h, ref_weight[v0:v1].to(matmul_dtype), at(ref_bias), stat_dtype, fp32_out, softcap,
+                            logit_scale, inv_temperature)
+        operand, column_sums = _tile_logit_gradient(
+            z, ref_z, lse, mu, mu_d, alpha, g_ent, g_kl, uniform, g_lp, targets, v0, softcap,
+            logit_scale * inv_temperature, inv_temperature, matmul_dtype, need_b)
+        if need_h:
+            grad_h = grad_h + _product(operand, w, stat_dtype, fp32_out)
+        if need_w:
+            # In the weight's own dtype when the operands have it (one rounding of the fp32 accumulation).
+            if weight.dtype == matmul_dtype:
+                weight_tiles.append(operand.t() @ h_op)
+            else:
+                weight_tiles.append(_product(operand.t(), h_op, stat_dtype, fp32_out).to(weight.dtype))
+        if need_b:
+            bias_tiles.append(column_sums)
+    grad_w = torch.cat(weight_tiles) if need_w else None
+    grad_b = torch.cat(bias_tiles) if need_b else None
+    return (grad_h.to(h.dtype) if need_h else None), grad_w, grad_b
+
+
+whole_forward = compiled_once(_forward)
+whole_backward = compiled_once(_backward)

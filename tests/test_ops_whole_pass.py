@@ -1,0 +1,167 @@
+"""Each pass of the fused head as one compiled graph (ops/_whole_pass.py, opt-in with ``LIT_MEMOPT_WHOLE_PASS=1``)
+gives the values and gradients of the tiled pass and of plain float64 references; compiled for the CPU here
+(``LIT_MEMOPT_FUSED_TILES=1``), where torch.compile builds C++ kernels of the same graphs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import test_ops_fused_tiles as tiled_cases
+
+from lit_memopt.ops import linear_logprobs, linear_logprobs_and_entropy, linear_kl, linear_self_certainty
+from lit_memopt.ops._whole_pass import MAX_WHOLE_PASS_TILES, whole_pass_vocab_tile
+
+# One row tile (37 rows) and four vocabulary tiles of 32 (the last partial): the calls the whole pass takes.
+TILES = dict(chunk_size=(64, 32))
+
+
+@pytest.fixture(autouse=True)
+def whole_pass_calls(monkeypatch) -> dict[str, int]:
+    """How often each whole-pass graph ran, so that no test compares the tiled pass with itself."""
+    import lit_memopt.ops._head_passes as passes
+
+    calls = {"forward": 0, "backward": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(passes, "whole_forward", counted("forward", passes.whole_forward))
+    monkeypatch.setattr(passes, "whole_backward", counted("backward", passes.whole_backward))
+    return calls
+
+
+def run_all(whole: bool, monkeypatch, dtype=torch.float64, precision="auto"):
+    """Every output of the head in one call per op, and the gradients of a random projection of all of them."""
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1")
+    monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "1" if whole else "0")
+    hidden, weight, bias, targets, ref_hidden, ref_weight = tiled_cases.make(dtype)
+    outs = [
+        *linear_logprobs_and_entropy(hidden, weight, targets, bias=bias, temperature=0.7, final_logit_softcapping=3.0,
+                                     precision=precision, **TILES),
+        linear_self_certainty(hidden, weight, bias=bias, logit_scale=0.5, precision=precision, **TILES),
+        linear_kl(hidden, weight, ref_hidden, ref_weight, precision=precision, **TILES),
+    ]
+    out = torch.stack([o.float() if dtype != torch.float64 else o for o in outs])
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad((out * up).sum(), (hidden, weight, bias))
+    return out.detach(), grads
+
+
+def test_the_whole_pass_matches_the_tiled_pass_in_float64(monkeypatch, whole_pass_calls):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compiler failure would fall back to eager maths with a warning
+        out, grads = run_all(True, monkeypatch)
+    assert whole_pass_calls == {"forward": 3, "backward": 3}  # three calls, each one graph per pass
+    want_out, want_grads = run_all(False, monkeypatch)
+    assert whole_pass_calls == {"forward": 3, "backward": 3}
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["logprobs_entropy", "kl", "self_certainty"])
+def test_the_whole_pass_matches_float64_references(case, monkeypatch, whole_pass_calls):
+    monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "1")
+    monkeypatch.setattr(tiled_cases, "run", _one_row_tile(tiled_cases.run))
+    out, grads = tiled_cases.run(case, True, monkeypatch)
+    assert whole_pass_calls == {"forward": 1, "backward": 1}
+    want_out, want_grads = tiled_cases.reference(case)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-11)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def _one_row_tile(run):
+    """``run`` with every tile request widened to one row tile (the whole pass's calls)."""
+    def wrapped(case, fused, monkeypatch, dtype=torch.float64):
+        import lit_memopt.ops.linear_head as head
+
+        plan = head.tile_sizes
+
+        def one_row_tile(chunk_size, rows, *args, **kwargs):
+            return plan((max(rows, 1), 32), rows, *args, **kwargs)
+
+        monkeypatch.setattr(head, "tile_sizes", one_row_tile)
+        return run(case, fused, monkeypatch, dtype)
+    return wrapped
+
+
+def test_bf16_fast_whole_pass_matches_the_tiled_fast_pass(monkeypatch, whole_pass_calls):
+    # The same products and roundings as the tiled pass: bf16 logits on the CPU, fp32 statistics.
+    out, grads = run_all(True, monkeypatch, torch.bfloat16, "fast")
+    assert whole_pass_calls["backward"] == 3
+    want_out, want_grads = run_all(False, monkeypatch, torch.bfloat16, "fast")
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_masked_rows_in_a_whole_pass(monkeypatch, whole_pass_calls):
+    # Ignored rows never reach the graph: their outputs and gradients are exact zeros, the rest as the tiled pass.
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1")
+    hidden, weight, _, targets, _, _ = tiled_cases.make()
+    targets = targets.clone()
+    targets[::2] = -100
+    results = []
+    for whole in ("1", "0"):
+        monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", whole)
+        logp = linear_logprobs(hidden, weight, targets, **TILES)
+        results.append((logp.detach(), *torch.autograd.grad(logp.sum(), (hidden, weight))))
+    assert whole_pass_calls == {"forward": 1, "backward": 1}
+    (logp, g_h, g_w), (want_logp, want_g_h, want_g_w) = results
+    assert torch.all(logp[::2] == 0) and torch.all(g_h[::2] == 0)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_h, want_g_h, rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(g_w, want_g_w, rtol=1e-11, atol=1e-12)
+
+
+def test_which_calls_take_the_whole_pass(monkeypatch):
+    monkeypatch.delenv("LIT_MEMOPT_WHOLE_PASS", raising=False)
+    assert whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=False) is None  # opt-in
+    monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "1")
+    # automatic tiles round down to a power of two (few compiled graphs across changing row counts); explicit ones stay
+    assert whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=False) == 256
+    assert whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=True) == 300
+    assert whole_pass_vocab_tile(True, 100, 128, 1000, 5000, explicit=False) == 5000  # one tile covers the vocabulary
+    assert whole_pass_vocab_tile(False, 100, 128, 1000, 300, explicit=False) is None  # eager tile maths
+    assert whole_pass_vocab_tile(True, 200, 128, 1000, 300, explicit=False) is None  # several row tiles
+    assert whole_pass_vocab_tile(True, 0, 128, 1000, 300, explicit=False) is None  # no rows
+    vocab = 64 * (MAX_WHOLE_PASS_TILES + 1)
+    assert whole_pass_vocab_tile(True, 100, 128, vocab, 64, explicit=True) is None  # too many tiles to unroll
+    monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "auto")
+    with pytest.raises(ValueError, match="LIT_MEMOPT_WHOLE_PASS must be one of"):
+        whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=False)
+
+
+def test_the_whole_pass_keeps_the_tiled_memory_on_the_cpu(monkeypatch, whole_pass_calls):
+    """On the CPU the compiled graph keeps about the tiled pass's extra memory, a few tiles whatever the vocabulary
+    (on an H100 it did not: see ops/_whole_pass.py)."""
+    from lit_memopt.memory.fake import peak_during
+
+    monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1")
+    n, h, v, vocab_tile = 256, 64, 50000, 4096  # 13 vocabulary tiles of 4 MiB logits each
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    grads = hidden.numel() * 4 + weight.numel() * 4
+
+    def step():
+        linear_logprobs(hidden, weight, targets, chunk_size=(n, vocab_tile)).sum().backward()
+
+    extra = {}
+    for whole in ("1", "0"):
+        monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", whole)
+        step()  # compiles outside the measurement
+        hidden.grad = weight.grad = None
+        extra[whole] = peak_during(step, hidden, weight, targets).extra_bytes - grads
+        hidden.grad = weight.grad = None
+    tile = n * vocab_tile * 4
+    assert whole_pass_calls == {"forward": 2, "backward": 2}
+    assert extra["1"] <= 1.25 * extra["0"] and extra["1"] <= 8 * tile, (extra, tile)
