@@ -18,6 +18,7 @@ default, never on fake tensors (the peak-memory estimator) nor on the CPU unless
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 from typing import Callable, Optional
@@ -78,6 +79,33 @@ def _hits(z: Tensor, targets: Tensor, v0: int) -> Tensor:
     """``[rows, cols]``: whether column ``c`` of the tile (vocabulary id ``v0 + c``) is the row's target."""
     columns = torch.arange(z.shape[1], device=z.device) + v0
     return columns.unsqueeze(0) == targets.unsqueeze(1)
+
+
+def start_rows(rows: int, dtype: torch.dtype, device: torch.device, *, entropy: bool, self_certainty: bool,
+               logprobs: bool, kl: bool):
+    """The running statistics of ``rows`` rows before any tile, in the order :func:`_fold_tile` takes and returns
+    them: ``(max, sum, sum_ez, sum_z, target_z, ref_max, ref_sum, sum_ed)``, ``None`` for what no output needs."""
+    new = lambda fill: torch.full((rows,), fill, dtype=dtype, device=device)  # noqa: E731
+    return (new(-math.inf), new(0.0), new(0.0) if entropy else None, new(0.0) if self_certainty else None,
+            new(0.0) if logprobs else None, *((new(-math.inf), new(0.0), new(0.0)) if kl else (None, None, None)))
+
+
+def finish_rows(run_max: Tensor, run_sum: Tensor, sum_ez: Optional[Tensor], sum_z: Optional[Tensor],
+                target_z: Optional[Tensor], ref_max: Optional[Tensor], ref_sum: Optional[Tensor],
+                sum_ed: Optional[Tensor], vocab: int) -> dict[str, Tensor]:
+    """The per-row statistics of a finished pass from its running ones: ``lse`` and, where accumulated,
+    ``mu`` (= E_p[z]), ``mean_z``, ``target_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref])."""
+    stats = {"lse": run_max + torch.log(run_sum)}
+    if sum_ez is not None:
+        stats["mu"] = sum_ez / run_sum
+    if sum_z is not None:
+        stats["mean_z"] = sum_z / vocab
+    if target_z is not None:
+        stats["target_z"] = target_z
+    if sum_ed is not None:
+        stats["ref_lse"] = ref_max + torch.log(ref_sum)
+        stats["mu_d"] = sum_ed / run_sum
+    return stats
 
 
 def _fold_tile(z: Tensor, ref_z: Optional[Tensor], run_max: Tensor, run_sum: Tensor, sum_ez: Optional[Tensor],

@@ -7,14 +7,13 @@ used and dropped; the per-tile softmax maths run as eager ops or as compiled ker
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from lit_memopt.ops._fused_tiles import fold_tile, tile_logit_gradient
+from lit_memopt.ops._fused_tiles import finish_rows, fold_tile, start_rows, tile_logit_gradient
 from lit_memopt.ops._head_tiles import LogitTransform, TileMath, exp_, is_fake, tile_starts
 from lit_memopt.ops._whole_pass import whole_backward, whole_forward
 
@@ -91,15 +90,16 @@ class _RunningSoftmax:
     """Online softmax statistics of one row tile, updated one vocabulary tile at a time."""
 
     def __init__(self, spec: _HeadSpec, rows: int, dtype: torch.dtype, device: torch.device) -> None:
-        new = lambda fill: torch.full((rows,), fill, dtype=dtype, device=device)  # noqa: E731
         self.spec = spec
-        self.max, self.sum = new(-math.inf), new(0.0)
-        self.sum_ez = new(0.0) if spec.wants("entropy") else None  # sum_v e_v z_v (entropy)
-        self.sum_z = new(0.0) if spec.wants("self_certainty") else None
-        self.target_z = new(0.0) if spec.wants("logprobs") else None
-        self.ref_max = new(-math.inf) if spec.wants("kl") else None
-        self.ref_sum = new(0.0) if spec.wants("kl") else None
-        self.sum_ed = new(0.0) if spec.wants("kl") else None  # sum_v e_v (z_v - zref_v) (KL)
+        # sum_ez = sum_v e_v z_v (entropy), sum_ed = sum_v e_v (z_v - zref_v) (KL); None where no output needs it
+        (self.max, self.sum, self.sum_ez, self.sum_z, self.target_z, self.ref_max, self.ref_sum, self.sum_ed) = start_rows(
+            rows, dtype, device, entropy=spec.wants("entropy"), self_certainty=spec.wants("self_certainty"),
+            logprobs=spec.wants("logprobs"), kl=spec.wants("kl"))
+
+    def finish(self, vocab: int) -> dict[str, Tensor]:
+        """The row tile's statistics once every vocabulary tile is folded in (``finish_rows``)."""
+        return finish_rows(self.max, self.sum, self.sum_ez, self.sum_z, self.target_z, self.ref_max, self.ref_sum,
+                           self.sum_ed, vocab)
 
     def update(self, z: Tensor, scratch: Tensor, v0: int, targets: Optional[Tensor], ref_z: Optional[Tensor]) -> None:
         """Fold the logits tile ``z`` (and the reference tile ``ref_z``) in; ``scratch`` is a tile buffer."""
@@ -159,16 +159,8 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
             if ref_h is not None:
                 ref_z = math_.logits("ref_z", ref_h, math_.operand("ref_w", ref_weight[v0:v1], vt), ref_bias, v0, v1)
             run.update(z, math_.stat_buffer("e", r1 - r0, v1 - v0), v0, None if targets is None else targets[r0:r1], ref_z)
-        stats["lse"][r0:r1] = run.max + torch.log(run.sum)
-        if run.target_z is not None:
-            stats["target_z"][r0:r1] = run.target_z
-        if run.sum_ez is not None:
-            stats["mu"][r0:r1] = run.sum_ez / run.sum
-        if run.sum_z is not None:
-            stats["mean_z"][r0:r1] = run.sum_z / vocab
-        if run.sum_ed is not None:
-            stats["ref_lse"][r0:r1] = run.ref_max + torch.log(run.ref_sum)
-            stats["mu_d"][r0:r1] = run.sum_ed / run.sum
+        for name, value in run.finish(vocab).items():
+            stats[name][r0:r1] = value
     return stats
 
 
@@ -182,13 +174,11 @@ def _whole_forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, 
                               ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
     """:func:`_forward_statistics` as one compiled call (``_whole_pass.py``)."""
     kl, transform = spec.wants("kl"), spec.transform
-    lse, target_z, mu, mean_z, ref_lse, mu_d = whole_forward(
+    return whole_forward(
         _counted(hidden, keep), weight, bias, targets if spec.wants("logprobs") else None,
         _counted(ref_hidden, keep) if kl else None, ref_weight if kl else None, ref_bias if kl else None,
         spec.vocab_tile, math_.matmul_dtype, math_.stat_dtype, math_.fp32_out,
         transform.softcap, transform.logit_scale, transform.inv_temperature, spec.wants("entropy"), spec.wants("self_certainty"))
-    stats = {"lse": lse, "target_z": target_z, "mu": mu, "mean_z": mean_z, "ref_lse": ref_lse, "mu_d": mu_d}
-    return {name: value for name, value in stats.items() if value is not None}
 
 
 @dataclass

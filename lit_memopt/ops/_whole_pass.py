@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lit_memopt.ops._fused_tiles import _fold_tile, _tile_logit_gradient, compiled_once
+from lit_memopt.ops._fused_tiles import _fold_tile, _tile_logit_gradient, compiled_once, finish_rows, start_rows
 
 # ``LIT_MEMOPT_WHOLE_PASS``: "0" (default: tile by tile) or "1" (one compiled graph per pass wherever the tile
 # kernels are compiled and the call fits one row tile).
@@ -84,16 +84,11 @@ def _forward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optiona
              ref_weight: Optional[Tensor], ref_bias: Optional[Tensor], vocab_tile: int, matmul_dtype: torch.dtype,
              stat_dtype: torch.dtype, fp32_out: bool, softcap: Optional[float], logit_scale: float, inv_temperature: float,
              want_entropy: bool, want_self_certainty: bool):
-    """Per-row ``(lse, target_z, mu, mean_z, ref_lse, mu_d)`` of ``_head_passes._forward_statistics``; ``None``
-    for what is not asked (``target_z`` with ``targets``, the reference's with ``ref_h``)."""
-    n, vocab = h.shape[0], weight.shape[0]
-    new = lambda fill: torch.full((n,), fill, dtype=stat_dtype, device=h.device)  # noqa: E731
-    run_max, run_sum = new(-math.inf), new(0.0)
-    sum_ez = new(0.0) if want_entropy else None
-    sum_z = new(0.0) if want_self_certainty else None
-    target_z = new(0.0) if targets is not None else None
-    kl = ref_h is not None
-    ref_max, ref_sum, sum_ed = (new(-math.inf), new(0.0), new(0.0)) if kl else (None, None, None)
+    """The per-row statistics of ``_head_passes._forward_statistics`` (``finish_rows``): ``target_z`` with
+    ``targets``, the reference's with ``ref_h``."""
+    vocab, kl = weight.shape[0], ref_h is not None
+    state = start_rows(h.shape[0], stat_dtype, h.device, entropy=want_entropy, self_certainty=want_self_certainty,
+                       logprobs=targets is not None, kl=kl)
     h = h.to(matmul_dtype)
     ref_h = ref_h.to(matmul_dtype) if kl else None
     for v0 in range(0, vocab, vocab_tile):
@@ -104,14 +99,9 @@ def _forward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optiona
         if kl:
             ref_z = _logits(ref_h, ref_weight[v0:v1].to(matmul_dtype), at(ref_bias), stat_dtype, fp32_out, softcap,
                             logit_scale, inv_temperature)
-        run_max, run_sum, sum_ez, sum_z, target_z, ref_max, ref_sum, sum_ed = _fold_tile(
-            z, ref_z, run_max, run_sum, sum_ez, sum_z, target_z, targets, v0, ref_max, ref_sum, sum_ed)
-    lse = run_max + torch.log(run_sum)
-    mu = sum_ez / run_sum if want_entropy else None
-    mean_z = sum_z / vocab if want_self_certainty else None
-    ref_lse = ref_max + torch.log(ref_sum) if kl else None
-    mu_d = sum_ed / run_sum if kl else None
-    return lse, target_z, mu, mean_z, ref_lse, mu_d
+        run_max, run_sum, sum_ez, sum_z, target_z, ref_max, ref_sum, sum_ed = state
+        state = _fold_tile(z, ref_z, run_max, run_sum, sum_ez, sum_z, target_z, targets, v0, ref_max, ref_sum, sum_ed)
+    return finish_rows(*state, vocab)
 
 
 def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optional[Tensor], ref_h: Optional[Tensor],
