@@ -453,21 +453,33 @@ def test_tiles_shrink_with_the_share_of_rows_that_count():
             assert rows * cols <= full[0] * full[1] / 4 * 1.2 and cols <= full[1]
 
 
+def random_head(n: int, h: int, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 hidden states ``[n, h]`` and head weight ``[v, h]`` that need gradients, and targets, from seed 0."""
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    return hidden, weight, torch.randint(0, v, (n,))
+
+
+def step_extra_bytes(step, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> int:
+    """Peak bytes ``step`` (a forward and backward) allocates beyond its inputs and their fp32 gradients."""
+    from lit_memopt.memory.fake import peak_during
+
+    hidden.grad = weight.grad = None
+    extra = peak_during(step, hidden, weight, targets).extra_bytes - (hidden.numel() + weight.numel()) * 4
+    hidden.grad = weight.grad = None
+    return extra
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-tiles", "compiled-tiles"])
 def test_fused_peak_memory_is_a_fraction_of_naive(compiled, monkeypatch):
     """Eager tiles (the CPU default) and compiled ones (the CUDA default, here compiled for the CPU) both keep the
     extra memory to a few tiles, whatever the vocabulary size."""
-    from lit_memopt.memory.fake import peak_during
-
     monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1" if compiled else "0")
     n, h = 64, 32
 
     def extras(v: int) -> tuple[int, int]:
-        torch.manual_seed(0)
-        hidden = torch.randn(n, h, requires_grad=True)
-        weight = torch.randn(v, h, requires_grad=True)
-        targets = torch.randint(0, v, (n,))
-        grads = hidden.numel() * 4 + weight.numel() * 4
+        hidden, weight, targets = random_head(n, h, v)
 
         def naive():
             ref_logprobs(hidden, weight, targets).sum().backward()
@@ -476,10 +488,7 @@ def test_fused_peak_memory_is_a_fraction_of_naive(compiled, monkeypatch):
             linear_logprobs(hidden, weight, targets).sum().backward()
 
         fused()  # compiles the tile functions (once per process) outside the measurement
-        hidden.grad = weight.grad = None
-        naive_extra = peak_during(naive, hidden, weight, targets).extra_bytes - grads
-        hidden.grad = weight.grad = None
-        return naive_extra, peak_during(fused, hidden, weight, targets).extra_bytes - grads
+        return step_extra_bytes(naive, hidden, weight, targets), step_extra_bytes(fused, hidden, weight, targets)
 
     naive_extra, fused_extra = extras(20000)
     assert naive_extra > 2 * n * 20000 * 8  # several float64 [n, v] tensors

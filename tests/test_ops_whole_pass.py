@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import test_ops_fused_tiles as tiled_cases
+import test_ops_linear_head as head_cases
 
 from lit_memopt.ops import linear_logprobs, linear_logprobs_and_entropy, linear_kl, linear_self_certainty
 from lit_memopt.ops._whole_pass import MAX_WHOLE_PASS_TILES, whole_pass_vocab_tile
@@ -142,15 +143,9 @@ def test_which_calls_take_the_whole_pass(monkeypatch):
 def test_the_whole_pass_keeps_the_tiled_memory_on_the_cpu(monkeypatch, whole_pass_calls):
     """On the CPU the compiled graph keeps about the tiled pass's extra memory, a few tiles whatever the vocabulary
     (on an H100 it did not: see ops/_whole_pass.py)."""
-    from lit_memopt.memory.fake import peak_during
-
     monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1")
     n, h, v, vocab_tile = 256, 64, 50000, 4096  # 13 vocabulary tiles of 4 MiB logits each
-    torch.manual_seed(0)
-    hidden = torch.randn(n, h, requires_grad=True)
-    weight = torch.randn(v, h, requires_grad=True)
-    targets = torch.randint(0, v, (n,))
-    grads = hidden.numel() * 4 + weight.numel() * 4
+    hidden, weight, targets = head_cases.random_head(n, h, v)
 
     def step():
         linear_logprobs(hidden, weight, targets, chunk_size=(n, vocab_tile)).sum().backward()
@@ -159,9 +154,7 @@ def test_the_whole_pass_keeps_the_tiled_memory_on_the_cpu(monkeypatch, whole_pas
     for whole in ("1", "0"):
         monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", whole)
         step()  # compiles outside the measurement
-        hidden.grad = weight.grad = None
-        extra[whole] = peak_during(step, hidden, weight, targets).extra_bytes - grads
-        hidden.grad = weight.grad = None
+        extra[whole] = head_cases.step_extra_bytes(step, hidden, weight, targets)
     tile = n * vocab_tile * 4
     assert whole_pass_calls == {"forward": 2, "backward": 2}
     assert extra["1"] <= 1.25 * extra["0"] and extra["1"] <= 8 * tile, (extra, tile)
