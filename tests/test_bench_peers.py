@@ -105,11 +105,11 @@ def test_the_gpu_benchmark_times_compiled_against_eager_tiles_and_leaves_the_set
     monkeypatch.delenv("LIT_MEMOPT_WHOLE_PASS", raising=False)
     c = peers_cuda.compare("logprobs", torch.bfloat16, TINY, 2, only_a_missing_peer, exact=True, memory=True, device="cpu")
     rows = {r["method"]: r for r in c["rows"]}
-    assert list(rows) == [peers.NAIVE, peers.LIT_EXACT, peers.LIT_FAST, peers_cuda.LIT_FAST_WHOLE_PASS, peers_cuda.LIT_FAST_EAGER]
+    assert list(rows) == [peers.NAIVE, peers.LIT_EXACT, peers.LIT_FAST, peers_cuda.LIT_FAST_TILE_BY_TILE, peers_cuda.LIT_FAST_EAGER]
     assert all(len(c["times"][name]) == 2 for name in rows)
     # the same maths either way, and the user's setting is back once the eager-tiles method has run
     assert rows[peers_cuda.LIT_FAST_EAGER]["value_err"] == rows[peers.LIT_FAST]["value_err"]
-    assert rows[peers_cuda.LIT_FAST_WHOLE_PASS]["value_err"] == rows[peers.LIT_FAST]["value_err"]
+    assert rows[peers_cuda.LIT_FAST_TILE_BY_TILE]["value_err"] == rows[peers.LIT_FAST]["value_err"]
     assert os.environ["LIT_MEMOPT_FUSED_TILES"] == "auto" and "LIT_MEMOPT_WHOLE_PASS" not in os.environ
     assert c["absent"] and "TRL ChunkedLogProbFunction" in peers_cuda.to_markdown(
         {"gpu": "test", "torch": torch.__version__, "triton": None, "command": "test", "peers": [], "cases": [c]})

@@ -1,4 +1,4 @@
-"""Each pass of the fused head as one compiled graph (ops/_whole_pass.py, opt-in with ``LIT_MEMOPT_WHOLE_PASS=1``)
+"""Each pass of the fused head as one compiled graph (ops/_whole_pass.py, the CUDA default; ``LIT_MEMOPT_WHOLE_PASS=1``)
 gives the values and gradients of the tiled pass and of plain float64 references; compiled for the CPU here
 (``LIT_MEMOPT_FUSED_TILES=1``), where torch.compile builds C++ kernels of the same graphs."""
 
@@ -123,21 +123,27 @@ def test_masked_rows_in_a_whole_pass(monkeypatch, whole_pass_calls):
 
 
 def test_which_calls_take_the_whole_pass(monkeypatch):
-    monkeypatch.delenv("LIT_MEMOPT_WHOLE_PASS", raising=False)
-    assert whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=False) is None  # opt-in
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def tile(fused=True, device=cuda, rows=100, row_tile=128, vocab=1000, vocab_tile=300, explicit=False):
+        return whole_pass_vocab_tile(fused, device, rows, row_tile, vocab, vocab_tile, explicit=explicit)
+
+    monkeypatch.delenv("LIT_MEMOPT_WHOLE_PASS", raising=False)  # "auto": on CUDA only
+    assert tile() == 256 and tile(device=cpu) is None
     monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "1")
     # automatic tiles round down to a power of two (few compiled graphs across changing row counts); explicit ones stay
-    assert whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=False) == 256
-    assert whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=True) == 300
-    assert whole_pass_vocab_tile(True, 100, 128, 1000, 5000, explicit=False) == 5000  # one tile covers the vocabulary
-    assert whole_pass_vocab_tile(False, 100, 128, 1000, 300, explicit=False) is None  # eager tile maths
-    assert whole_pass_vocab_tile(True, 200, 128, 1000, 300, explicit=False) is None  # several row tiles
-    assert whole_pass_vocab_tile(True, 0, 128, 1000, 300, explicit=False) is None  # no rows
-    vocab = 64 * (MAX_WHOLE_PASS_TILES + 1)
-    assert whole_pass_vocab_tile(True, 100, 128, vocab, 64, explicit=True) is None  # too many tiles to unroll
-    monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "auto")
+    assert tile(device=cpu) == 256
+    assert tile(explicit=True) == 300
+    assert tile(vocab_tile=5000) == 5000  # one tile covers the vocabulary
+    assert tile(fused=False) is None  # eager tile maths
+    assert tile(rows=200) is None  # several row tiles
+    assert tile(rows=0) is None  # no rows
+    assert tile(vocab=64 * (MAX_WHOLE_PASS_TILES + 1), vocab_tile=64, explicit=True) is None  # too many tiles to unroll
+    monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "0")
+    assert tile() is None
+    monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", "yes")
     with pytest.raises(ValueError, match="LIT_MEMOPT_WHOLE_PASS must be one of"):
-        whole_pass_vocab_tile(True, 100, 128, 1000, 300, explicit=False)
+        tile()
 
 
 def test_the_whole_pass_keeps_the_tiled_memory_on_the_cpu(monkeypatch, whole_pass_calls):
