@@ -146,21 +146,25 @@ def test_which_calls_take_the_whole_pass(monkeypatch):
         tile()
 
 
-def test_the_whole_pass_keeps_the_tiled_memory_on_the_cpu(monkeypatch, whole_pass_calls):
-    """On the CPU the compiled graph keeps about the tiled pass's extra memory, a few tiles whatever the vocabulary
-    (on an H100 it did not: see ops/_whole_pass.py)."""
+@pytest.mark.parametrize("rows, hidden_size, what", [(256, 64, "logits tiles"), (16, 1024, "weight-gradient tiles")])
+def test_the_whole_pass_keeps_the_tiled_memory(rows, hidden_size, what, monkeypatch, whole_pass_calls):
+    """The compiled graph keeps about the tiled pass's extra memory, a few tiles whatever the vocabulary: 13
+    vocabulary tiles of 4096, whose logits tiles (4 MiB each) or weight-gradient tiles (16 MiB each, few rows and
+    a wide hidden size) must not all be alive at once. On an H100 the compiler ran every tile's matmul first
+    (1.03 GiB at N=4096, H=1024, V=50000), until each tile waited for the last (``_whole_pass._after``); and the
+    weight-gradient tiles of a 512-row call lived until the end (0.39 GiB against 0.13 GiB tile by tile)."""
     monkeypatch.setenv("LIT_MEMOPT_FUSED_TILES", "1")
-    n, h, v, vocab_tile = 256, 64, 50000, 4096  # 13 vocabulary tiles of 4 MiB logits each
-    hidden, weight, targets = head_cases.random_head(n, h, v)
+    v, vocab_tile = 50000, 4096
+    hidden, weight, targets = head_cases.random_head(rows, hidden_size, v)
 
     def step():
-        linear_logprobs(hidden, weight, targets, chunk_size=(n, vocab_tile)).sum().backward()
+        linear_logprobs(hidden, weight, targets, chunk_size=(rows, vocab_tile)).sum().backward()
 
     extra = {}
     for whole in ("1", "0"):
         monkeypatch.setenv("LIT_MEMOPT_WHOLE_PASS", whole)
         step()  # compiles outside the measurement
         extra[whole] = head_cases.step_extra_bytes(step, hidden, weight, targets)
-    tile = n * vocab_tile * 4
+    tile = max(rows, hidden_size) * vocab_tile * 4
     assert whole_pass_calls == {"forward": 2, "backward": 2}
-    assert extra["1"] <= 1.25 * extra["0"] and extra["1"] <= 8 * tile, (extra, tile)
+    assert extra["1"] <= 1.25 * extra["0"] + tile, (what, extra, tile)

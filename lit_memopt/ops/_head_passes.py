@@ -262,14 +262,15 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
     stat_ref_bias = None if ref_bias is None else ref_bias.to(stat_dtype)
     if spec.whole_pass:
         transform, g_kl = spec.transform, coeffs.g_kl
+        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
         with _NoAutocast(device.type), torch.no_grad():
-            grad_h, grad_w, grad_b = whole_backward(
+            grad_h, grad_b = whole_backward(
                 _counted(hidden, keep), weight, stat_bias, targets if coeffs.g_lp is not None else None,
                 _counted(ref_hidden, keep) if g_kl is not None else None, ref_weight if g_kl is not None else None,
                 stat_ref_bias if g_kl is not None else None, lse, mu if coeffs.g_ent is not None else None,
                 mu_d if g_kl is not None else None, coeffs.alpha, coeffs.g_lp, coeffs.g_ent, g_kl, coeffs.uniform,
                 spec.vocab_tile, math_.matmul_dtype, stat_dtype, math_.fp32_out,
-                transform.softcap, transform.logit_scale, transform.inv_temperature, need_h, need_w, need_b)
+                transform.softcap, transform.logit_scale, transform.inv_temperature, need_h, grad_w, need_b)
         return grad_h, grad_w, grad_b.to(bias.dtype) if need_b else None
     rt, vt = spec.row_tile, spec.vocab_tile
     block_rows = rt * _SUPER_BLOCK_ROW_TILES

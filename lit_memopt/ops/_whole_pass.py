@@ -128,15 +128,18 @@ def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Option
               mu_d: Optional[Tensor], alpha: Tensor, g_lp: Optional[Tensor], g_ent: Optional[Tensor], g_kl: Optional[Tensor],
               uniform: Optional[Tensor], vocab_tile: int, matmul_dtype: torch.dtype, stat_dtype: torch.dtype,
               fp32_out: bool, softcap: Optional[float], logit_scale: float, inv_temperature: float,
-              need_h: bool, need_w: bool, need_b: bool):
-    """``(grad_h, grad_w, grad_b)`` of ``_head_passes._backward_tiles`` for one row tile: the hidden gradient
+              need_h: bool, grad_w: Optional[Tensor], need_b: bool):
+    """``(grad_h, grad_b)`` of ``_head_passes._backward_tiles`` for one row tile, and the weight gradient written
+    into ``grad_w`` (``[V, H]`` in the weight's dtype, or ``None`` when not needed): the hidden gradient
     accumulated in the statistics dtype and returned in ``h``'s, each weight-gradient tile one product (in
-    the weight's dtype, rounded once), the bias gradient in the statistics dtype."""
+    the weight's dtype, rounded once) copied into its rows as soon as it exists, so that it dies before the next
+    tile's (a ``torch.cat`` of the tiles at the end kept all of them alive: at few rows and a wide hidden size
+    they outweigh the logits tiles), the bias gradient in the statistics dtype."""
     vocab = weight.shape[0]
     h_op = h.to(matmul_dtype)
     ref_h = ref_h.to(matmul_dtype) if g_kl is not None else None
     grad_h = torch.zeros(h.shape, dtype=stat_dtype, device=h.device) if need_h else None
-    weight_tiles, bias_tiles = [], []
+    bias_tiles = []
     previous: tuple = ()  # the last tile's results, which the next tile's products wait for (_after)
     for v0 in range(0, vocab, vocab_tile):
         v1 = min(v0 + vocab_tile, vocab)
@@ -153,18 +156,20 @@ def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Option
             logit_scale * inv_temperature, inv_temperature, matmul_dtype, need_b)
         if need_h:
             grad_h = grad_h + _product(operand, w, stat_dtype, fp32_out)
-        if need_w:
+        weight_tile = None
+        if grad_w is not None:
             # In the weight's own dtype when the operands have it (one rounding of the fp32 accumulation).
             if weight.dtype == matmul_dtype:
-                weight_tiles.append(operand.t() @ h_op)
+                weight_tile = operand.t() @ h_op
             else:
-                weight_tiles.append(_product(operand.t(), h_op, stat_dtype, fp32_out).to(weight.dtype))
+                weight_tile = _product(operand.t(), h_op, stat_dtype, fp32_out).to(weight.dtype)
+            grad_w[v0:v1] = weight_tile
+            weight_tile = grad_w[v0:v1]  # the next tile waits for the copy, so this tile's product is gone by then
         if need_b:
             bias_tiles.append(column_sums)
-        previous = (grad_h, weight_tiles[-1] if need_w else None, column_sums, operand)
-    grad_w = torch.cat(weight_tiles) if need_w else None
+        previous = (grad_h, weight_tile, column_sums, operand)
     grad_b = torch.cat(bias_tiles) if need_b else None
-    return (grad_h.to(h.dtype) if need_h else None), grad_w, grad_b
+    return (grad_h.to(h.dtype) if need_h else None), grad_b
 
 
 whole_forward = compiled_once(_forward)
