@@ -12,7 +12,7 @@ import test_ops_fused_tiles as tiled_cases
 import test_ops_linear_head as head_cases
 
 from lit_memopt.ops import linear_logprobs, linear_logprobs_and_entropy, linear_kl, linear_self_certainty
-from lit_memopt.ops._whole_pass import MAX_WHOLE_PASS_TILES, whole_pass_vocab_tile
+from lit_memopt.ops._whole_pass import MAX_WEIGHT_TILE_ELEMENTS, MAX_WHOLE_PASS_TILES, whole_pass_vocab_tile
 
 # One row tile (37 rows) and four vocabulary tiles of 32 (the last partial): the calls the whole pass takes.
 TILES = dict(chunk_size=(64, 32))
@@ -125,8 +125,8 @@ def test_masked_rows_in_a_whole_pass(monkeypatch, whole_pass_calls):
 def test_which_calls_take_the_whole_pass(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
-    def tile(fused=True, device=cuda, rows=100, row_tile=128, vocab=1000, vocab_tile=300, explicit=False):
-        return whole_pass_vocab_tile(fused, device, rows, row_tile, vocab, vocab_tile, explicit=explicit)
+    def tile(fused=True, device=cuda, rows=100, row_tile=128, hidden=64, vocab=1000, vocab_tile=300, explicit=False):
+        return whole_pass_vocab_tile(fused, device, rows, row_tile, hidden, vocab, vocab_tile, explicit=explicit)
 
     monkeypatch.delenv("LIT_MEMOPT_WHOLE_PASS", raising=False)  # "auto": on CUDA only
     assert tile() == 256 and tile(device=cpu) is None
@@ -134,7 +134,13 @@ def test_which_calls_take_the_whole_pass(monkeypatch):
     # automatic tiles round down to a power of two (few compiled graphs across changing row counts); explicit ones stay
     assert tile(device=cpu) == 256
     assert tile(explicit=True) == 300
-    assert tile(vocab_tile=5000) == 5000  # one tile covers the vocabulary
+    assert tile(vocab_tile=5000) == 1000  # one tile covers the vocabulary
+    # a weight-gradient tile [tile, H] is held before it is copied into the gradient: at most MAX_WEIGHT_TILE_ELEMENTS
+    wide = MAX_WEIGHT_TILE_ELEMENTS // 1024
+    assert tile(hidden=1024, vocab=4 * wide, vocab_tile=8 * wide) == wide
+    assert tile(hidden=1024, vocab=wide + 1, vocab_tile=2 * wide) == wide  # not one tile: capped, two tiles
+    assert tile(hidden=1024, vocab=64 * wide, vocab_tile=wide) is None  # too many tiles once capped
+    assert tile(hidden=1024, vocab=4 * wide, vocab_tile=2 * wide, explicit=True) is None
     assert tile(fused=False) is None  # eager tile maths
     assert tile(rows=200) is None  # several row tiles
     assert tile(rows=0) is None  # no rows

@@ -1,5 +1,5 @@
-"""The fused head's two passes, each as one compiled graph over all its vocabulary tiles (opt-in:
-``LIT_MEMOPT_WHOLE_PASS=1``; for small calls on CUDA).
+"""The fused head's two passes, each as one compiled graph over all its vocabulary tiles (the CUDA default for
+calls with one row tile; ``LIT_MEMOPT_WHOLE_PASS``).
 
 A tiled pass on a GPU costs host work per tile: slicing, a matmul launch or three, and a call into the
 compiled tile kernels (``_fused_tiles.py``). For the calls RL steps make (a few hundred to a few thousand
@@ -7,14 +7,19 @@ rows) that host work, not the GPU, sets the time. Here each pass is one function
 written out, compiled once (``torch.compile`` unrolls the loop: cuBLAS products and a few fused kernels
 per tile, launched by one call), so the host work per call is two compiled calls.
 
-Measured on an H100 (``benchmarks/results/peers_cuda_nvidia_h100_80gb_hbm3.md``, one run, interleaved):
-bf16 log-probs at N=2048, H=512, V=32000 took 2.53 ms against 3.49 ms tile by tile and 2.76 ms for Cut
-Cross-Entropy's Triton kernel, with 0.25 GiB of extra memory against 0.13 GiB. It is opt-in because the
-compiled graph does not keep the tiled pass's memory bound on a GPU: at N=4096, H=1024, V=50000 (13
-vocabulary tiles) the step took 1.10 GB beyond its inputs and gradients, about 17 logits tiles, where the
-tiled pass keeps a few (``tests/test_cuda.py``'s bound is a tenth of the full-logits path's 3.17 GB).
-The compiler is free to order the unrolled tiles' kernels as it likes, and on the GPU it kept many tiles
-alive at once. On the CPU the same graphs keep about the tiled pass's memory (tested).
+Keeping the tiled pass's memory took two things the loop does not say by itself (both measured on an H100):
+
+* The tiles must run in order. Every tile's matmul reads only the inputs, and the compiler ran all of them
+  first, holding every logits tile at once: 1.03 GiB at N=4096, H=1024, V=50000 (13 tiles), against
+  0.14 GiB tile by tile. Each tile's hidden operand now depends on the previous tile's results
+  (:func:`_after`): 0.12 GiB.
+* Each weight-gradient tile is copied into the gradient as soon as it exists. Collected and concatenated at
+  the end, all of them were alive at once: 0.39 GiB at N=512, H=1536, V=151936, against 0.13 GiB. One such tile
+  is still held before its copy (the tiled pass writes it in place); :data:`MAX_WEIGHT_TILE_ELEMENTS` caps it.
+
+bf16 log-probs fwd+bwd, tile by tile against one graph per pass, in one interleaved probe on that H100:
+6.54 -> 4.92 ms at N=4096, H=1024, V=50000; 3.92 -> 2.88 ms at N=2048, H=512, V=32000; 4.87 -> 3.98 ms at
+N=512, H=1536, V=151936 (README, "On a GPU").
 
 The maths per tile are the pure functions of ``_fused_tiles.py`` (the same as the eager tiles'), on the
 tiles of the tiled pass. The tiled passes (``_head_passes.py``) keep every call this one does not take:
@@ -42,22 +47,34 @@ _MODES = ("auto", "0", "1")
 # time (seconds for ten tiles on an H100), and calls with that many tiles are long enough to hide their
 # host work behind the GPU's.
 MAX_WHOLE_PASS_TILES = 16
+# The whole pass holds one weight-gradient tile ``[vocab tile, H]`` before copying it into the gradient, where the
+# tiled pass writes it in place; a tile may have at most this many elements (128 MiB in bf16). Without the cap a
+# call with few rows and a wide head would take one vocabulary tile and a temporary the size of the weight.
+# Qwen2.5-1.5B's head at 512 rows (tiles of 32768 x 1536, 48M elements) stays under it.
+MAX_WEIGHT_TILE_ELEMENTS = 1 << 26
 
 
-def whole_pass_vocab_tile(fused: bool, device: torch.device, rows: int, row_tile: int, vocab: int, vocab_tile: int, *,
-                          explicit: bool) -> Optional[int]:
+def whole_pass_vocab_tile(fused: bool, device: torch.device, rows: int, row_tile: int, hidden_size: int, vocab: int,
+                          vocab_tile: int, *, explicit: bool) -> Optional[int]:
     """The vocabulary tile of a whole-pass call, or ``None`` where the call runs tile by tile.
 
     Automatic tiles are rounded down to a power of two: the compiled graph depends on the tile, and the
     tile on the row count, so a few sizes serve an RL run's changing row counts without a compile each.
+    Automatic tiles also shrink until a weight-gradient tile fits :data:`MAX_WEIGHT_TILE_ELEMENTS`; an
+    explicit tile that does not fit runs tile by tile.
     """
     mode = os.environ.get(_ENV, "auto")
     if mode not in _MODES:
         raise ValueError(f"{_ENV} must be one of {_MODES}, got {mode!r}")
     if mode == "0" or (mode == "auto" and device.type != "cuda") or not fused or rows > row_tile or rows == 0:
         return None
-    tile = vocab_tile if explicit or vocab_tile >= vocab else 1 << int(math.log2(vocab_tile))
-    return tile if math.ceil(vocab / tile) <= MAX_WHOLE_PASS_TILES else None
+    widest = max(MAX_WEIGHT_TILE_ELEMENTS // max(hidden_size, 1), 1)
+    if explicit:
+        tile = vocab_tile if vocab_tile <= widest else None
+    else:
+        tile = min(vocab_tile, vocab)
+        tile = tile if tile == vocab and tile <= widest else 1 << int(math.log2(min(tile, widest)))
+    return tile if tile is not None and math.ceil(vocab / tile) <= MAX_WHOLE_PASS_TILES else None
 
 
 def _product(a: Tensor, b: Tensor, stat_dtype: torch.dtype, fp32_out: bool) -> Tensor:
