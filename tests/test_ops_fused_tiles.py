@@ -4,6 +4,8 @@ values and gradients as the eager tile maths and as plain float64 references; fo
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -149,3 +151,28 @@ def test_an_out_of_memory_error_inside_a_compiled_kernel_reaches_the_caller(monk
     z = torch.zeros(2, 3)
     with pytest.raises(torch.OutOfMemoryError):
         call(z, None, z[:, 0], z[:, 0], None, None, None, None, 0, None, None, None)
+
+
+def _add_k_times(x: torch.Tensor, k: int) -> torch.Tensor:
+    for _ in range(k):  # the compiler unrolls the loop: one graph per k, as the whole pass's tiles
+        x = x + 1
+    return x
+
+
+@pytest.mark.parametrize("graphs", [None, 4])
+def test_compiled_once_may_keep_more_graphs_than_torchs_limit_during_its_calls(graphs):
+    """Past dynamo's recompile limit a function runs eagerly without a word; ``graphs`` raises the limit for the
+    function's own calls only (the whole pass needs a graph per tile size and set of outputs)."""
+    from lit_memopt.ops._fused_tiles import compiled_once
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    # a fresh code object per case: the compiler keeps its graphs (and its verdict at the limit) on the code
+    fresh = types.FunctionType(_add_k_times.__code__.replace(co_name=f"add_k_times_{graphs}"), globals())
+    add = compiled_once(fresh, graphs=graphs)
+    with config.patch(**{name: 2}):
+        before = counters["stats"]["unique_graphs"]
+        for k in range(1, 5):
+            assert add(torch.zeros(3), k).tolist() == [float(k)] * 3
+        assert counters["stats"]["unique_graphs"] - before == (4 if graphs else 2)
+        assert getattr(config, name) == 2  # the user's limit is back

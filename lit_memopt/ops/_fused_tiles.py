@@ -41,8 +41,13 @@ def use_fused_tiles(device: torch.device, fake: bool) -> bool:
     return mode == "1" or device.type == "cuda"
 
 
-def compiled_once(fn: Callable) -> Callable:
+def compiled_once(fn: Callable, *, graphs: Optional[int] = None) -> Callable:
     """``fn`` compiled once per process (dynamic shapes: full and edge tiles share one kernel).
+
+    ``graphs``: how many graphs of ``fn`` the compiler may keep (its recompile limit, raised for ``fn``'s calls
+    only; torch's default is 8). Past the limit torch runs ``fn`` eagerly for the new case without a word: same
+    results, slower. The whole pass (``_whole_pass.py``) compiles a graph per vocabulary tile size and set of
+    outputs, and an RL run's changing row counts choose several tile sizes.
 
     Where compiling fails (no working Triton or C++ compiler, an unsupported device) the process warns
     once and runs ``fn`` eagerly from then on: same results, more passes over each tile. An
@@ -57,6 +62,14 @@ def compiled_once(fn: Callable) -> Callable:
             compiled = torch.compile(fn, dynamic=True)
         if compiled is fn:
             return fn(*args, **kwargs)
+        raised = None  # the recompile limit's name and torch's value, while ``graphs`` replaces it
+        if graphs is not None:
+            config = torch._dynamo.config
+            # torch 2.6 renamed dynamo's ``cache_size_limit`` to ``recompile_limit``.
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            if getattr(config, name) < graphs:
+                raised = name, getattr(config, name)
+                setattr(config, name, graphs)
         try:
             return compiled(*args, **kwargs)
         except torch.OutOfMemoryError:
@@ -71,6 +84,9 @@ def compiled_once(fn: Callable) -> Callable:
             )
             compiled = fn
             return fn(*args, **kwargs)
+        finally:
+            if raised is not None:
+                setattr(torch._dynamo.config, *raised)
 
     return call
 

@@ -189,5 +189,8 @@ def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Option
     return (grad_h.to(h.dtype) if need_h else None), grad_b
 
 
-whole_forward = compiled_once(_forward)
-whole_backward = compiled_once(_backward)
+# A graph per vocabulary tile size (a power of two, from the row count) and set of outputs: an RL run that calls
+# log-probs alone and with entropy at four tile sizes already needs 8, torch's default limit.
+WHOLE_PASS_GRAPHS = 32
+whole_forward = compiled_once(_forward, graphs=WHOLE_PASS_GRAPHS)
+whole_backward = compiled_once(_backward, graphs=WHOLE_PASS_GRAPHS)
