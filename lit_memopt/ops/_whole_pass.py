@@ -92,7 +92,7 @@ def _after(x: Tensor, *results: Optional[Tensor]) -> Tensor:
 
     The vocabulary loop is unrolled into one graph whose matmuls all read only the inputs, and the GPU
     compiler ran every tile's matmul first, keeping all logits tiles alive at once (at N=4096, H=1024,
-    V=50000 on an H100: 1.10 GB where the tiled pass keeps 0.14 GiB). Making each tile's hidden operand
+    V=50000 on an H100: 1.03 GiB where the tiled pass keeps 0.14 GiB). Making each tile's hidden operand
     depend on the previous tile's results orders the tiles as the loop does: a tile's buffers die before
     the next one's exist. The dependency adds NaN where the first element of a result is NaN (its
     statistics are NaN then anyway) and 0 elsewhere. ``0 * token`` would not do: the compiler folds it

@@ -206,7 +206,8 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
     row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=low_precision is not None,
                                       total_rows=rows.shape[0], fused=fused, weight_copied=weight_copied)
     # On CUDA each pass of a call with one row tile is one compiled graph over all its vocabulary tiles (ops/_whole_pass.py).
-    whole_tile = whole_pass_vocab_tile(fused, rows.device, counted, row_tile, widest, vocab, vocab_tile, explicit=chunk_size is not None)
+    whole_tile = whole_pass_vocab_tile(fused, rows.device, counted, row_tile, widest, vocab, vocab_tile,
+                                       explicit=chunk_size is not None)
     spec = _HeadSpec(frozenset(outputs), transform, row_tile, whole_tile or vocab_tile, low_precision, fused,
                      whole_pass=whole_tile is not None)
     results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
