@@ -127,6 +127,29 @@ def test_weights_are_cached_reused_and_checked(setup, tmp_path):
     assert warm_start_policy(model, tok, dm.warm_start_examples, WarmStart(steps=0), tmp_path) is None
 
 
+def test_with_lora_the_warm_start_trains_the_base_so_the_reference_is_the_warm_started_model(setup, tmp_path):
+    """The reference of a LoRA policy is its base under disable_adapter(): the warm start must change the base
+    weights (adapters off), leave the adapters at the identity, and give back which weights need gradients."""
+    cfg, tok, dm = setup
+    lora = ModelConfig(name="micro", arch=cfg.arch, lora={"r": 4, "alpha": 8})
+    model = lora.build_model()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    adapters_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    held = _encode(tok, dm.warm_start_examples(64, seed=999), torch.device("cpu"))
+    with torch.no_grad(), model.disable_adapter():
+        reference_before = next_token_nll(model, held)[0].item()
+    warm_start_policy(model, tok, dm.warm_start_examples, WarmStart(steps=40, lr=3e-3, batch_size=16), tmp_path)
+    assert trainable == {n for n, p in model.named_parameters() if p.requires_grad} and all("lora_" in n for n in trainable)
+    assert any(not torch.equal(p, base_before[n]) for n, p in model.named_parameters() if "lora_" not in n)
+    assert all(torch.equal(p, adapters_before[n]) for n, p in model.named_parameters() if "lora_" in n)
+    with torch.no_grad():
+        policy = next_token_nll(model, held)[0].item()
+        with model.disable_adapter():
+            reference = next_token_nll(model, held)[0].item()
+    assert policy == reference < 0.8 * reference_before, (policy, reference, reference_before)
+
+
 def test_bad_settings_are_named(setup, tmp_path):
     cfg, tok, _ = setup
     for bad, name in (({"steps": -1}, "steps"), ({"lr": 0}, "lr"), ({"batch_size": 0}, "batch_size")):

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["is_peft_model", "reference_model", "active_adapter"]
+__all__ = ["is_peft_model", "reference_model", "active_adapter", "base_weights_trainable"]
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -54,3 +54,26 @@ def active_adapter(model: nn.Module, name: str | None) -> Iterator[nn.Module]:
         yield model
     finally:
         model.set_adapter(previous)
+
+
+@contextlib.contextmanager
+def base_weights_trainable(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block a peft model trains its base weights with every adapter off; elsewhere nothing changes.
+
+    A supervised warm start must change the base: the reference policy is the base under ``disable_adapter()``,
+    and LoRA adapters start as the identity (their ``B`` is zero), so after the block policy and reference are
+    both the warm-started model. Training the adapters instead would leave the reference untrained. Which
+    parameters need gradients is restored after the block.
+    """
+    if not is_peft_model(model):
+        yield model
+        return
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    try:
+        with model.disable_adapter():
+            for name, p in model.named_parameters():
+                p.requires_grad_("lora_" not in name)
+            yield model
+    finally:
+        for name, p in model.named_parameters():
+            p.requires_grad_(before[name])

@@ -209,9 +209,6 @@ class CRSPModule(pl.LightningModule):
         self.warm_start = WarmStart.from_any(warm_start)
         _check(int(val_solver_samples) >= 1, "val_solver_samples", val_solver_samples, "an integer >= 1")
         _check(prompt_style in PROMPT_STYLES, "prompt_style", prompt_style, f"one of {list(PROMPT_STYLES)}")
-        if self.warm_start.steps and getattr(model_config, "lora", None) is not None:
-            raise ValueError("module.warm_start trains the whole policy, but with model.lora the reference is the "
-                             "untrained base under disable_adapter(): set model.lora=null, or module.warm_start.steps=0.")
         for name, value in (("beta_propose", beta_propose), ("beta_solve", beta_solve), ("beta_critique", beta_critique),
                             ("weight_propose", weight_propose), ("weight_solve", weight_solve),
                             ("weight_critique", weight_critique)):

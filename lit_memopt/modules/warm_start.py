@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memopt.memory.forked import usable_cpu_cores
+from lit_memopt.models.adapters import base_weights_trainable
 from lit_memopt.models.tokens import left_pad
 from lit_memopt.modules.sft import next_token_nll
 
@@ -225,7 +226,8 @@ def warm_start_policy(model: torch.nn.Module, tokenizer: Any, examples: ExampleS
         message = f"warm start: loaded {path} (delete it to warm-start again)"
     else:
         on_cpu = next(model.parameters()).device.type == "cpu"
-        with cpu_threads_at_least(cpu_threads if on_cpu else None):
+        # With LoRA the base weights are trained, adapters off: the reference is the base (models/adapters.py).
+        with cpu_threads_at_least(cpu_threads if on_cpu else None), base_weights_trainable(model):
             losses = fit_examples(model, tokenizer, examples, config)
         head = sum(losses[:10]) / min(10, len(losses))
         tail = sum(losses[-10:]) / min(10, len(losses))
