@@ -219,7 +219,7 @@ class _CRSPGrads(pl.Callback):
 _LENGTHS: list[int] = []
 
 
-def _crsp_step(monkeypatch, tmp_path, split: bool):
+def _crsp_step(monkeypatch, tmp_path, split: bool, role_adapters: bool = False):
     from lit_memopt.callbacks import MemoryMonitor, OOMRecovery
     from lit_memopt.memory import memory_budget
     from lit_memopt.modules import crsp as crsp_module
@@ -237,7 +237,7 @@ def _crsp_step(monkeypatch, tmp_path, split: bool):
 
     monkeypatch.setattr(crsp_module, "response_hidden_states", oom_on_more_than_two_rows)
     torch.manual_seed(0)
-    module = _module(micro_batch_size=4)
+    module = _module(micro_batch_size=4, role_adapters=role_adapters)
     with torch.no_grad():
         # A large random EOS embedding (tied head): responses end at varied lengths, so that token and sample
         # weighting differ (with equal lengths a wrong weighting would pass unnoticed).
@@ -252,12 +252,16 @@ def _crsp_step(monkeypatch, tmp_path, split: bool):
     return grads.grads, recovery
 
 
-def test_a_step_split_by_an_oom_equals_the_unsplit_step(monkeypatch, tmp_path) -> None:
-    """Token-mean role losses: the pieces of a split micro-batch are weighted by their response tokens."""
-    unsplit, calm = _crsp_step(monkeypatch, tmp_path, split=False)
+@pytest.mark.parametrize("role_adapters", [False, True], ids=["one-adapter", "adapter-per-role"])
+def test_a_step_split_by_an_oom_equals_the_unsplit_step(role_adapters, monkeypatch, tmp_path) -> None:
+    """Token-mean role losses: the pieces of a split micro-batch are weighted by their response tokens (with one
+    adapter for every role, and with the recipe's one adapter per role)."""
+    unsplit, calm = _crsp_step(monkeypatch, tmp_path, split=False, role_adapters=role_adapters)
     assert len(set(_LENGTHS)) > 2, _LENGTHS  # responses of several lengths
-    split, recovery = _crsp_step(monkeypatch, tmp_path, split=True)
+    split, recovery = _crsp_step(monkeypatch, tmp_path, split=True, role_adapters=role_adapters)
     assert calm.oom_events == 0 and recovery.oom_events >= 1  # the split run really was split
     assert unsplit and unsplit.keys() == split.keys()
+    if role_adapters:  # every role's adapter got its gradient in the step
+        assert {n.split(".")[-2] for n in unsplit if "lora_" in n} == {"propose", "solve", "critique"}
     for name in unsplit:
         torch.testing.assert_close(split[name], unsplit[name], rtol=1e-5, atol=1e-7, msg=name)
