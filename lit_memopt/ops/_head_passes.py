@@ -260,9 +260,10 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
     coeffs = _RowGradients.from_upstream(spec, grads, n, vocab, stat_dtype, device)
     stat_bias = None if bias is None else bias.to(stat_dtype)
     stat_ref_bias = None if ref_bias is None else ref_bias.to(stat_dtype)
+    # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out= or into slices.
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
     if spec.whole_pass:
         transform, g_kl = spec.transform, coeffs.g_kl
-        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
         with _NoAutocast(device.type), torch.no_grad():
             grad_h, grad_b = whole_backward(
                 _counted(hidden, keep), weight, stat_bias, targets if coeffs.g_lp is not None else None,
@@ -283,8 +284,6 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
     if need_h:
         shape = hidden.shape if keep is None else (n, size)
         grad_h = torch.zeros(shape, dtype=stat_dtype, device=device) if direct_gh else torch.empty(shape, dtype=hidden.dtype, device=device)
-    # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out=.
-    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
     direct_gw = need_w and weight.dtype == stat_dtype
     grad_b_acc = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_b else None
 

@@ -68,12 +68,12 @@ def whole_pass_vocab_tile(fused: bool, device: torch.device, rows: int, row_tile
         raise ValueError(f"{_ENV} must be one of {_MODES}, got {mode!r}")
     if mode == "0" or (mode == "auto" and device.type != "cuda") or not fused or rows > row_tile or rows == 0:
         return None
-    widest = max(MAX_WEIGHT_TILE_ELEMENTS // max(hidden_size, 1), 1)
+    widest_tile = max(MAX_WEIGHT_TILE_ELEMENTS // max(hidden_size, 1), 1)
     if explicit:
-        tile = vocab_tile if vocab_tile <= widest else None
+        tile = vocab_tile if vocab_tile <= widest_tile else None
     else:
         tile = min(vocab_tile, vocab)
-        tile = tile if tile == vocab and tile <= widest else 1 << int(math.log2(min(tile, widest)))
+        tile = tile if tile == vocab and tile <= widest_tile else 1 << int(math.log2(min(tile, widest_tile)))
     return tile if tile is not None and math.ceil(vocab / tile) <= MAX_WHOLE_PASS_TILES else None
 
 
