@@ -13,13 +13,14 @@ Keeping the tiled pass's memory took two things the loop does not say by itself 
   first, holding every logits tile at once: 1.03 GiB at N=4096, H=1024, V=50000 (13 tiles), against
   0.14 GiB tile by tile. Each tile's hidden operand now depends on the previous tile's results
   (:func:`_after`): 0.12 GiB.
-* Each weight-gradient tile is copied into the gradient as soon as it exists. Collected and concatenated at
-  the end, all of them were alive at once: 0.39 GiB at N=512, H=1536, V=151936, against 0.13 GiB. One such tile
-  is still held before its copy (the tiled pass writes it in place); :data:`MAX_WEIGHT_TILE_ELEMENTS` caps it.
+* Each weight-gradient tile is written into the gradient's rows by an operator the compiler does not look into
+  (:func:`write_weight_gradient_rows`). Collected and concatenated at the end, all the tiles were alive at once:
+  0.40 GiB at N=512, H=1536, V=151936 bf16, against 0.13 GiB tile by tile. Copied into the gradient by slice
+  assignment, they left two weight-sized buffers on that H100 (torch 2.11): 0.85 GiB. With the operator: 0.10 GiB.
 
-bf16 log-probs fwd+bwd, tile by tile against one graph per pass, in one interleaved probe on that H100:
-6.54 -> 4.92 ms at N=4096, H=1024, V=50000; 3.92 -> 2.88 ms at N=2048, H=512, V=32000; 4.87 -> 3.98 ms at
-N=512, H=1536, V=151936 (README, "On a GPU").
+bf16 log-probs fwd+bwd, tile by tile against one graph per pass, in one interleaved probe on that H100 (before
+the operator): 6.54 -> 4.92 ms at N=4096, H=1024, V=50000; 3.92 -> 2.88 ms at N=2048, H=512, V=32000. At N=512,
+H=1536, V=151936 the two take about the same time (5.43 against 5.50 ms in ``rl_shapes_cuda``; README, "On a GPU").
 
 The maths per tile are the pure functions of ``_fused_tiles.py`` (the same as the eager tiles'), on the
 tiles of the tiled pass. The tiled passes (``_head_passes.py``) keep every call this one does not take:
@@ -47,10 +48,11 @@ _MODES = ("auto", "0", "1")
 # time (seconds for ten tiles on an H100), and calls with that many tiles are long enough to hide their
 # host work behind the GPU's.
 MAX_WHOLE_PASS_TILES = 16
-# The whole pass holds one weight-gradient tile ``[vocab tile, H]`` before copying it into the gradient, where the
-# tiled pass writes it in place; a tile may have at most this many elements (128 MiB in bf16). Without the cap a
-# call with few rows and a wide head would take one vocabulary tile and a temporary the size of the weight.
-# Qwen2.5-1.5B's head at 512 rows (tiles of 32768 x 1536, 48M elements) stays under it.
+# Where the weight's dtype differs from the operands' (an fp32 head multiplied in bf16), a weight-gradient tile
+# ``[vocab tile, H]`` is a temporary before it is rounded into the gradient; a tile may have at most this many
+# elements (256 MiB in fp32). Without the cap a call with few rows and a wide head would take one vocabulary tile
+# and a temporary the size of the weight. Qwen2.5-1.5B's head at 512 rows (tiles of 32768 x 1536, 48M elements)
+# stays under it.
 MAX_WEIGHT_TILE_ELEMENTS = 1 << 26
 
 
@@ -140,6 +142,29 @@ def _forward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optiona
     return finish_rows(*state, vocab)
 
 
+@torch.library.custom_op("lit_memopt::write_weight_gradient_rows", mutates_args=("grad_w",))
+def write_weight_gradient_rows(grad_w: Tensor, start: int, operand: Tensor, h: Tensor, fp32_out: bool) -> None:
+    """``grad_w[start:start + len(operand.T)] = operand.T @ h``, the product written straight into those rows.
+
+    One operator the compiler cannot see into, on purpose. Written as a slice assignment in the compiled graph,
+    each tile's product was a temporary copied into the rows, and on an H100 (torch 2.11) the compiler kept the
+    gradient's old and new values apart, two weight-sized buffers: 0.85 GiB of extra memory at N=512, H=1536,
+    V=151936 bf16, where the tiled pass takes 0.13 GiB. Collected and concatenated at the end instead, all the
+    tiles were alive at once (0.40 GiB). An operator that declares the rows it writes is applied to the
+    gradient in place, and its product needs no temporary where the operands have the gradient's dtype.
+    """
+    rows = grad_w[start:start + operand.shape[1]]
+    if operand.dtype == grad_w.dtype and h.dtype == grad_w.dtype:
+        torch.mm(operand.t(), h, out=rows)  # one rounding of the fp32 accumulation, into the weight's dtype
+    else:
+        rows.copy_(_product(operand.t(), h, torch.promote_types(grad_w.dtype, torch.float32), fp32_out))
+
+
+@write_weight_gradient_rows.register_fake
+def _(grad_w: Tensor, start: int, operand: Tensor, h: Tensor, fp32_out: bool) -> None:
+    return None
+
+
 def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optional[Tensor], ref_h: Optional[Tensor],
               ref_weight: Optional[Tensor], ref_bias: Optional[Tensor], lse: Tensor, mu: Optional[Tensor],
               mu_d: Optional[Tensor], alpha: Tensor, g_lp: Optional[Tensor], g_ent: Optional[Tensor], g_kl: Optional[Tensor],
@@ -148,10 +173,8 @@ def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Option
               need_h: bool, grad_w: Optional[Tensor], need_b: bool):
     """``(grad_h, grad_b)`` of ``_head_passes._backward_tiles`` for one row tile, and the weight gradient written
     into ``grad_w`` (``[V, H]`` in the weight's dtype, or ``None`` when not needed): the hidden gradient
-    accumulated in the statistics dtype and returned in ``h``'s, each weight-gradient tile one product (in
-    the weight's dtype, rounded once) copied into its rows as soon as it exists, so that it dies before the next
-    tile's (a ``torch.cat`` of the tiles at the end kept all of them alive: at few rows and a wide hidden size
-    they outweigh the logits tiles), the bias gradient in the statistics dtype."""
+    accumulated in the statistics dtype and returned in ``h``'s, each weight-gradient tile one product written
+    into its rows by :func:`write_weight_gradient_rows`, the bias gradient in the statistics dtype."""
     vocab = weight.shape[0]
     h_op = h.to(matmul_dtype)
     ref_h = ref_h.to(matmul_dtype) if g_kl is not None else None
@@ -175,13 +198,8 @@ def _backward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Option
             grad_h = grad_h + _product(operand, w, stat_dtype, fp32_out)
         weight_tile = None
         if grad_w is not None:
-            # In the weight's own dtype when the operands have it (one rounding of the fp32 accumulation).
-            if weight.dtype == matmul_dtype:
-                weight_tile = operand.t() @ h_op
-            else:
-                weight_tile = _product(operand.t(), h_op, stat_dtype, fp32_out).to(weight.dtype)
-            grad_w[v0:v1] = weight_tile
-            weight_tile = grad_w[v0:v1]  # the next tile waits for the copy, so this tile's product is gone by then
+            write_weight_gradient_rows(grad_w, v0, operand, h_op, fp32_out)
+            weight_tile = grad_w[v0:v1]  # the next tile waits for this tile's product
         if need_b:
             bias_tiles.append(column_sums)
         previous = (grad_h, weight_tile, column_sums, operand)
