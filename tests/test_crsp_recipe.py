@@ -49,3 +49,23 @@ def test_a_lora_policy_may_be_warm_started_and_bad_settings_are_named() -> None:
         CRSPModule(config, config.build_tokenizer(), val_solver_samples=0)
     with pytest.raises(ValueError, match=r"module.prompt_style must be one of \['instruct', 'compact'\], got 'short'"):
         CRSPModule(config, config.build_tokenizer(), prompt_style="short")
+
+
+def test_role_adapters_each_get_their_own_learning_rate_from_the_role_weight() -> None:
+    """With one adapter per role, each adapter gets only its role's loss, whose constant scale AdamW ignores: the role
+    weights scale the adapters' learning rates instead (weight 0 freezes that role's adapter)."""
+    config = ModelConfig(name="tiny", arch=dict(model_type="qwen3", vocab_size=384, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=16),
+                         lora={"r": 4, "alpha": 8})
+    module = CRSPModule(config, config.build_tokenizer(), role_adapters=True, lr=1e-3, weight_propose=0.5,
+                        weight_critique=0.0)
+    groups = module.configure_optimizers().param_groups
+    assert [g["lr"] for g in groups] == [5e-4, 1e-3, 0.0]  # propose, solve, critique
+    named = {id(p): n for n, p in module.model.named_parameters()}
+    for role, group in zip(("propose", "solve", "critique"), groups):
+        names = [named[id(p)] for p in group["params"]]
+        assert names and all(f".lora_A.{role}." in n or f".lora_B.{role}." in n for n in names), (role, names[:3])
+    assert sum(len(g["params"]) for g in groups) == sum("lora_" in n for n in named.values())
+    shared = CRSPModule(config, config.build_tokenizer(), lr=1e-3, weight_propose=0.5)  # one policy: one group at lr
+    assert [g["lr"] for g in shared.configure_optimizers().param_groups] == [1e-3]

@@ -114,7 +114,8 @@ class CRSPModule(pl.LightningModule):
         beta_propose, beta_solve, beta_critique: TR-RPG regularisation per role.
         weight_propose, weight_solve, weight_critique: each role's weight in the step's loss (>= 0; 0 stops
             that role learning, its rollouts still run): with one optimizer for the shared policy, a lower
-            weight slows a role relative to the others.
+            weight slows a role relative to the others; with ``role_adapters`` it scales the learning rate of
+            that role's adapter (AdamW would ignore a constant scale of the only loss an adapter gets).
         clamp: TR-RPG bound on ``|log(pi / pi_ref)|``.
         num_solver_samples: answers per task (the ``n`` of the solve rate), >= 1.
         critiques_per_task: solver answers critiqued per task, in ``[1, num_solver_samples]``.
@@ -286,13 +287,16 @@ class CRSPModule(pl.LightningModule):
         shard_for_fsdp2(self, self.model)
 
     def configure_optimizers(self) -> Any:
-        # All adapters' parameters: peft marks only the active adapter trainable at any moment.
-        if self.hparams.role_adapters:
-            params = [p for n, p in self.model.named_parameters() if "lora_" in n]
+        hp = self.hparams
+        if hp.role_adapters:
+            # One group per role's adapter (peft marks only the active adapter trainable at any moment, so select by
+            # name). Each adapter gets the gradient of its own role's loss only, and AdamW ignores a constant scale
+            # of that loss: here a role's weight scales its learning rate instead, so it still slows that role.
+            params = [{"params": [p for n, p in self.model.named_parameters() if "lora_" in n and f".{role}." in n],
+                       "lr": hp.lr * self.weights_by_role[role]} for role in ROLES]
         else:
             params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay,
-                                 betas=tuple(self.hparams.betas))
+        return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         # A batch is text (CodeTask) plus an index tensor; prompts become tensors on the right device later.

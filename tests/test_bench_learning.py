@@ -1,0 +1,68 @@
+"""The learning benchmark (benchmarks/learning.py): its verdicts from a run's logged validations, and one real
+recipe judged end to end (``ttt``, the shortest: seconds on a 2-core CPU)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.__main__ import normalise
+from benchmarks.learning import TIME_LIMIT_S, judge, read_metrics, run
+
+
+def validations(metric: str, values: list[float], stderr: float | None = None, **extra: float) -> list[dict[str, float]]:
+    rows = []
+    for step, value in enumerate(values):
+        row = {"step": float(30 * step), metric: value, **extra}
+        if stderr is not None:
+            row[metric + "_stderr"] = stderr
+        rows.append(row)
+        rows.append({"step": float(30 * step + 1), "train/loss": 1.0})  # training rows in between carry other keys
+    return rows
+
+
+def test_crsp_needs_the_issue_margin_beyond_the_noise_and_a_valid_proposer() -> None:
+    met = judge("crsp", validations("val/solve_rate", [0.23, 0.30, 0.39], stderr=0.03, **{"val/proposal_valid_rate": 1.0}), 600)
+    assert met["passed"] and met["gain"] == pytest.approx(0.16) and met["noise"] == pytest.approx(2 * math.hypot(0.03, 0.03))
+    assert met["trajectory"] == [0.23, 0.30, 0.39] and (met["first_step"], met["last_step"]) == (0, 60)
+    short = judge("crsp", validations("val/solve_rate", [0.23, 0.37], stderr=0.03, **{"val/proposal_valid_rate": 1.0}), 600)
+    assert not short["passed"] and not short["checks"]["gain"]  # +0.14 < 0.15
+    noisy = judge("crsp", validations("val/solve_rate", [0.20, 0.40], stderr=0.08, **{"val/proposal_valid_rate": 1.0}), 600)
+    assert not noisy["passed"] and noisy["checks"] == {"gain": True, "beyond noise": False, "time": True, "guard": True}
+    collapsed = judge("crsp", validations("val/solve_rate", [0.2, 0.4], stderr=0.01, **{"val/proposal_valid_rate": 0.5}), 600)
+    assert not collapsed["passed"] and not collapsed["checks"]["guard"]
+    slow = judge("crsp", validations("val/solve_rate", [0.2, 0.4], stderr=0.01, **{"val/proposal_valid_rate": 1.0}), TIME_LIMIT_S + 1)
+    assert not slow["passed"] and not slow["checks"]["time"]
+
+
+def test_kl_guards_are_ceilings_and_a_fall_is_never_met() -> None:
+    rows = validations("val/reward", [-4.8, 1.7], stderr=0.3, **{"val/kl": 0.7})
+    assert judge("grade", rows, 60)["passed"]
+    assert not judge("grade", validations("val/reward", [-4.8, 1.7], stderr=0.3, **{"val/kl": 5.2}), 60)["passed"]
+    fell = judge("intuitor", validations("val/accuracy", [0.8, 0.7], stderr=0.01, **{"train/kl": 0.1}), 60)
+    assert not fell["passed"] and not fell["checks"]["gain"]
+    no_stderr = judge("ttt", validations("val/recall_acc", [0.05, 0.9]), 30)
+    assert no_stderr["passed"] and no_stderr["noise"] is None
+
+
+def test_a_run_without_two_validations_or_logs_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="logged 1 time"):
+        judge("ttt", validations("val/recall_acc", [0.5]), 30)
+    with pytest.raises(FileNotFoundError, match="metrics.csv"):
+        read_metrics(tmp_path)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        run(only=["sft"], write=False)
+
+
+def test_the_ttt_recipe_learns_as_shipped(tmp_path: Path) -> None:
+    """``lit-memopt fit recipe=ttt`` as a user runs it: held-out recall from the untrained start (validate_first)
+    to the end of the run rises by at least 0.5."""
+    result = run(only=["ttt"], write=False, workdir=tmp_path)
+    assert not result["failures"], result["failures"]
+    (ttt,) = result["recipes"]
+    assert ttt["first_step"] == 0 and ttt["first"] < 0.3, ttt  # validated before any step
+    assert ttt["passed"], ttt
+    rows = normalise("learning", result)
+    assert len(rows) == 1 and rows[0]["pass"] is True
