@@ -29,7 +29,10 @@ def test_crsp_needs_the_issue_margin_beyond_the_noise_and_a_valid_proposer() -> 
     assert met["trajectory"] == [0.23, 0.30, 0.39] and (met["first_step"], met["last_step"]) == (0, 60)
     short = judge("crsp", validations("val/solve_rate", [0.23, 0.37], stderr=0.03, **{"val/proposal_valid_rate": 1.0}), 600)
     assert not short["passed"] and not short["checks"]["gain"]  # +0.14 < 0.15
-    noisy = judge("crsp", validations("val/solve_rate", [0.20, 0.40], stderr=0.08, **{"val/proposal_valid_rate": 1.0}), 600)
+    # the issue's margin is CRSP's bar; a recipe asked only to go "up" must clear twice the stderr of the difference
+    wide = judge("crsp", validations("val/solve_rate", [0.20, 0.40], stderr=0.08, **{"val/proposal_valid_rate": 1.0}), 600)
+    assert wide["passed"] and wide["noise"] > wide["gain"]
+    noisy = judge("grade", validations("val/reward", [0.20, 0.40], stderr=0.08, **{"val/kl": 0.5}), 60)
     assert not noisy["passed"] and noisy["checks"] == {"gain": True, "beyond noise": False, "time": True, "guard": True}
     collapsed = judge("crsp", validations("val/solve_rate", [0.2, 0.4], stderr=0.01, **{"val/proposal_valid_rate": 0.5}), 600)
     assert not collapsed["passed"] and not collapsed["checks"]["guard"]
