@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["is_peft_model", "reference_model", "active_adapter", "base_weights_trainable"]
+__all__ = ["is_peft_model", "reference_model", "active_adapter", "base_weights_trainable", "add_named_adapters",
+           "adapter_parameters"]
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -77,3 +78,21 @@ def base_weights_trainable(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for name, p in model.named_parameters():
             p.requires_grad_(before[name])
+
+
+def add_named_adapters(model: nn.Module, names: tuple[str, ...], active: str) -> None:
+    """Give a peft model one adapter per name (initialised in this order), each configured as its ``"default"``
+    adapter, drop that one (it would never be trained) and leave ``active`` active."""
+    from peft import LoraConfig
+
+    base = model.peft_config["default"]
+    for name in names:
+        model.add_adapter(name, LoraConfig(r=base.r, lora_alpha=base.lora_alpha, lora_dropout=base.lora_dropout,
+                                           target_modules=base.target_modules, task_type="CAUSAL_LM"))
+    model.set_adapter(active)
+    model.delete_adapter("default")
+
+
+def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
+    """The LoRA parameters of adapter ``name``, selected by name: peft marks only the active adapter trainable."""
+    return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]

@@ -52,7 +52,7 @@ from lit_memopt.rewards.crsp_rewards import (
     think_text,
 )
 from lit_memopt.rewards.sandbox import Sandbox, SandboxLimits
-from lit_memopt.models.adapters import active_adapter
+from lit_memopt.models.adapters import active_adapter, adapter_parameters, add_named_adapters
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
 from lit_memopt.modules.heldout import MeanAndStderr
@@ -235,7 +235,7 @@ class CRSPModule(pl.LightningModule):
         self.tokenizer = tokenizer
         self.model = model_config.build_model()
         if role_adapters:
-            self._add_role_adapters()
+            add_named_adapters(self.model, ROLES, active="solve")
         self.reference: torch.nn.Module | None = None
         if not is_peft_model(self.model):
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -249,17 +249,6 @@ class CRSPModule(pl.LightningModule):
         self.val_solve_rate_greedy = MeanAndStderr()
 
     # ------------------------------------------------------------------------------ set-up
-    def _add_role_adapters(self) -> None:
-        from peft import LoraConfig
-
-        base = self.model.peft_config["default"]
-        for role in ROLES:
-            self.model.add_adapter(role, LoraConfig(r=base.r, lora_alpha=base.lora_alpha, lora_dropout=base.lora_dropout,
-                                                    target_modules=base.target_modules, task_type="CAUSAL_LM"))
-        # The adapter ModelConfig.apply_lora made would never be trained: drop it.
-        self.model.set_adapter("solve")
-        self.model.delete_adapter("default")
-
     def setup(self, stage: str) -> None:
         if self.sandbox is None:
             hp = self.hparams
@@ -292,8 +281,8 @@ class CRSPModule(pl.LightningModule):
             # One group per role's adapter (peft marks only the active adapter trainable at any moment, so select by
             # name). Each adapter gets the gradient of its own role's loss only, and AdamW ignores a constant scale
             # of that loss: here a role's weight scales its learning rate instead, so it still slows that role.
-            params = [{"params": [p for n, p in self.model.named_parameters() if "lora_" in n and f".{role}." in n],
-                       "lr": hp.lr * self.weights_by_role[role]} for role in ROLES]
+            params = [{"params": adapter_parameters(self.model, role), "lr": hp.lr * self.weights_by_role[role]}
+                      for role in ROLES]
         else:
             params = [p for p in self.model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
