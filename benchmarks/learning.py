@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 if __package__ in (None, ""):  # `python benchmarks/learning.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -181,7 +183,7 @@ def run(quick: bool = False, write: bool = True, only: Optional[list[str]] = Non
             except (RuntimeError, ValueError, FileNotFoundError, subprocess.TimeoutExpired) as exc:
                 failures.append(f"{name}: {exc}")
     command = "python benchmarks/learning.py" + (" --quick" if quick else "") + (f" --only {','.join(only)}" if only else "")
-    result = {"command": command, "quick": quick, "torch": _torch_version(), "machine": platform.platform(),
+    result = {"command": command, "quick": quick, "torch": torch.__version__, "machine": platform.platform(),
               "cpus": os.cpu_count(), "recipes": recipes, "failures": failures}
     if write:
         write_results(f"learning_cpu{'_quick' if quick else ''}", result, to_markdown(result))
@@ -192,12 +194,6 @@ def run(quick: bool = False, write: bool = True, only: Optional[list[str]] = Non
     rows += [{"case": "learning", "metric": failure.splitlines()[0], "baseline": None, "baseline_label": "",
               "optimized": None, "unit": "", "ratio": None, "target": "runs", "pass": False} for failure in failures]
     return {"report_rows": rows, **result}
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def main(argv: Optional[list[str]] = None) -> int:
