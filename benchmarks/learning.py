@@ -126,6 +126,20 @@ def run_recipe(name: str, run_dir: Path, overrides: tuple[str, ...] = ()) -> flo
     return seconds
 
 
+def describe(target: dict[str, Any]) -> tuple[str, str]:
+    """What a target (``asdict(Target)``) asks of the gain and of its guard's last value (``""`` without a guard),
+    as the report writes them."""
+    wanted = f">= {target['min_gain']:g}" if target["min_gain"] else "> 0 and > noise bar"
+    bound = f"{'>=' if target['guard_at_least'] else '<='} {target['guard_bound']:g}" if target["guard"] else ""
+    return wanted, bound
+
+
+def _report_target(target: dict[str, Any]) -> str:
+    wanted, bound = describe(target)
+    guard = f", {target['guard']} {bound}" if bound else ""
+    return f"gain {wanted}{guard}, <= {TIME_LIMIT_S // 60} min"
+
+
 def _value(value: Optional[float], stderr: Optional[float]) -> str:
     if value is None:
         return "—"
@@ -146,11 +160,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     ]
     for r in result["recipes"]:
         t = r["target"]
-        wanted = f">= {t['min_gain']:g}" if t["min_gain"] else "> 0"
-        guard = "—"
-        if t["guard"]:
-            bound = f"{'>=' if t['guard_at_least'] else '<='} {t['guard_bound']:g}"
-            guard = f"{t['guard']} {_value(r['guard'], None)} ({bound})"
+        wanted, bound = describe(t)
+        guard = f"{t['guard']} {_value(r['guard'], None)} ({bound})" if bound else "—"
         noise = "—" if r["noise"] is None else f"{r['noise']:.3f}"
         missed = [k for k, ok in r["checks"].items() if not ok]
         verdict = "met" if r["passed"] else "MISSED: " + ", ".join(missed)
@@ -189,8 +200,7 @@ def run(quick: bool = False, write: bool = True, only: Optional[list[str]] = Non
         write_results(f"learning_cpu{'_quick' if quick else ''}", result, to_markdown(result))
     rows = [{"case": "learning", "metric": f"{r['recipe']}: held-out {r['target']['metric']}, last − first",
              "baseline": r["first"], "baseline_label": "first validation", "optimized": r["last"], "unit": "",
-             "ratio": None, "target": f"gain >= {r['target']['min_gain']:g}, beyond noise, guard, <= 15 min",
-             "pass": r["passed"]} for r in recipes]
+             "ratio": None, "target": _report_target(r["target"]), "pass": r["passed"]} for r in recipes]
     rows += [{"case": "learning", "metric": failure.splitlines()[0], "baseline": None, "baseline_label": "",
               "optimized": None, "unit": "", "ratio": None, "target": "runs", "pass": False} for failure in failures]
     return {"report_rows": rows, **result}

@@ -38,11 +38,16 @@ def test_recipe_warm_starts_validates_first_and_caches(tmp_path: Path) -> None:
     assert "CRSPModule warm start: loaded" in second.stdout + second.stderr
 
 
+def tiny_lora_config() -> ModelConfig:
+    """A one-layer Qwen3 with LoRA adapters: builds in milliseconds."""
+    return ModelConfig(name="tiny", arch=dict(model_type="qwen3", vocab_size=384, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                              head_dim=16),
+                       lora={"r": 4, "alpha": 8})
+
+
 def test_a_lora_policy_may_be_warm_started_and_bad_settings_are_named() -> None:
-    config = ModelConfig(name="tiny", arch=dict(model_type="qwen3", vocab_size=384, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                                head_dim=16),
-                         lora={"r": 4, "alpha": 8})
+    config = tiny_lora_config()
     # the warm start trains the base under disable_adapter(), which is the reference (test_warm_start.py)
     assert CRSPModule(config, config.build_tokenizer(), warm_start={"steps": 5}, role_adapters=True).warm_start.steps == 5
     with pytest.raises(ValueError, match="val_solver_samples"):
@@ -54,10 +59,7 @@ def test_a_lora_policy_may_be_warm_started_and_bad_settings_are_named() -> None:
 def test_role_adapters_each_get_their_own_learning_rate_from_the_role_weight() -> None:
     """With one adapter per role, each adapter gets only its role's loss, whose constant scale AdamW ignores: the role
     weights scale the adapters' learning rates instead (weight 0 freezes that role's adapter)."""
-    config = ModelConfig(name="tiny", arch=dict(model_type="qwen3", vocab_size=384, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                                head_dim=16),
-                         lora={"r": 4, "alpha": 8})
+    config = tiny_lora_config()
     module = CRSPModule(config, config.build_tokenizer(), role_adapters=True, lr=1e-3, weight_propose=0.5,
                         weight_critique=0.0)
     groups = module.configure_optimizers().param_groups
