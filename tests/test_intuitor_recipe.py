@@ -15,12 +15,12 @@ def test_embedded_recipe_self_certainty_rises(tmp_path: Path) -> None:
 
     from lit_memopt import cli
 
-    # The recipe's pipeline (tiny_qwen3, byte tokenizer) from random init, without its warm start, at a
-    # from-scratch learning rate; smaller groups and shorter responses for speed.
+    # The recipe's pipeline (tiny_qwen3 over the task's characters) from random init, without its warm start, at
+    # a from-scratch learning rate; smaller groups for speed.
     cfg = cli.compose_config(
         [
-            "recipe=intuitor", "data.batch_size=2", "module.num_samples=4", "module.max_new_tokens=8",
-            "module.warm_start.steps=0", "module.lr=1e-3", "data.task=mixed", f"logger.save_dir={tmp_path}",
+            "recipe=intuitor", "data.batch_size=2", "module.num_samples=4", "module.warm_start.steps=0",
+            "module.lr=1e-3", f"logger.save_dir={tmp_path}",
         ]
     )
     pl.seed_everything(0)

@@ -18,6 +18,7 @@ TASK_GROUPS = {"arithmetic": ("add", "sub", "mul", "max"), "strings": ("copy", "
 PROMPT_STYLES = ("compact", "instruct")
 
 _LETTERS = "abcdefghij"
+RESTATE_SEPARATOR = "|"
 _NUMBER = re.compile(r"-?\d+")
 _WORD = re.compile(r"[a-z]+")
 
@@ -55,6 +56,20 @@ def guess_like(rng: random.Random, answer: str) -> str:
     if alphabet == "0123456789" and len(guess) > 1:  # no leading zero: a number as the tasks write it
         guess = rng.choice("123456789") + guess[1:]
     return ("-" if answer.startswith("-") else "") + guess
+
+
+def restatement(rng: random.Random, question: str, guess: str | None = None) -> str:
+    """What a ``restate_input`` response writes after its answer: the input word of a copy/reverse ``question``.
+
+    After a guessed answer (the warm start's ``guess``) the input word and the word the guess implies (the guess
+    for ``copy``, its reverse for ``reverse``) disagree, and each letter of the restatement is one of the two,
+    drawn at random: a policy that guessed is unsure how to restate, as a calibrated model is.
+    """
+    task, word = question.split(" ", 1)
+    if guess is None:
+        return word
+    implied = guess if task == "copy" else guess[::-1]
+    return "".join(rng.choice(pair) for pair in zip(word, implied))
 
 
 def format_prompt(question: str, style: str = "compact") -> str:
@@ -142,10 +157,14 @@ class ReasoningPromptsDataModule(LightningDataModule):
         warm_start_guess_rate: share of :meth:`warm_start_examples` answered with a random guess of the right kind
             and length (:func:`guess_like`) instead of the answer: a warm-started policy that knows the answers but
             samples guesses, for an RL phase to improve (the ``grpo`` recipe). Only the warm start sees it.
+        restate_input: the warm-start responses restate the input word after the answer, ``answer|word``
+            (copy/reverse tasks only); after a guess the restatement mixes the input and the guess letter by letter
+            (:func:`restatement`). The checker still scores the answer, the text before the ``|``.
 
     Raises:
-        ValueError: on an unknown ``task`` or ``prompt_style``, a non-positive size, or a
-            ``warm_start_guess_rate`` outside ``[0, 1)``.
+        ValueError: on an unknown ``task`` or ``prompt_style``, a non-positive size, a
+            ``warm_start_guess_rate`` outside ``[0, 1)``, ``restate_input`` with arithmetic tasks, or (at
+            ``setup``) characters the tokenizer cannot encode.
 
     Example::
 
@@ -170,6 +189,7 @@ class ReasoningPromptsDataModule(LightningDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         warm_start_guess_rate: float = 0.0,
+        restate_input: bool = False,
     ) -> None:
         super().__init__()
         if task not in TASKS and task not in TASK_GROUPS:
@@ -201,6 +221,11 @@ class ReasoningPromptsDataModule(LightningDataModule):
         self.min_word_length = int(min_word_length)
         self.seed, self.num_workers = int(seed), int(num_workers)
         self.warm_start_guess_rate = float(warm_start_guess_rate)
+        arithmetic = set(TASK_GROUPS.get(task, (task,))) - set(TASK_GROUPS["strings"])
+        if restate_input and arithmetic:
+            raise ValueError(f"data.restate_input restates the input word of copy/reverse prompts; data.task={task!r} "
+                             f"includes {sorted(arithmetic)}. Use data.task=strings, copy or reverse.")
+        self.restate_input = bool(restate_input)
         self.train_set: _PromptDataset | None = None
         self.val_set: _PromptDataset | None = None
 
@@ -221,8 +246,15 @@ class ReasoningPromptsDataModule(LightningDataModule):
         if self.train_set is not None:
             return
         rng = random.Random(self.seed)
-        self.train_set = self._make(rng, self.num_train)
-        self.val_set = self._make(rng, self.num_val)
+        from lit_memopt.models.char_tokenizer import unknown_characters  # imports transformers: only when set up
+
+        train_set, val_set = self._make(rng, self.num_train), self._make(rng, self.num_val)
+        texts = train_set.prompts + train_set.answers + val_set.prompts + val_set.answers
+        unknown = unknown_characters(self.tokenizer, texts + [RESTATE_SEPARATOR] * self.restate_input)
+        if unknown:
+            raise ValueError(f"the tokenizer cannot encode {unknown}, which the data.task={self.task!r} prompts or "
+                             "answers use: add them to model.alphabet.")
+        self.train_set, self.val_set = train_set, val_set
 
     def warm_start_examples(self, count: int, seed: int) -> list[tuple[str, str]]:
         """``count`` fresh ``(prompt, answer)`` pairs of the same task family for a supervised warm start.
@@ -240,8 +272,13 @@ class ReasoningPromptsDataModule(LightningDataModule):
             prompt = format_prompt(question, self.prompt_style)
             if prompt in held_out:
                 continue
+            guess = None
             if self.warm_start_guess_rate and rng.random() < self.warm_start_guess_rate:  # rate 0: the draw of before
-                answer = guess_like(rng, answer)
+                guess = guess_like(rng, answer)
+            if self.restate_input:
+                answer = (guess or answer) + RESTATE_SEPARATOR + restatement(rng, question, guess)
+            elif guess is not None:
+                answer = guess
             pairs.append((prompt, answer if self.prompt_style == "compact" else f"Answer: {answer}"))
         return pairs
 

@@ -7,6 +7,7 @@ from lit_memopt._lazy import lazy_exports
 _EXPORTS = {
     "ModelConfig": ".hf",
     "build_tokenizer": ".hf",
+    "CharTokenizer": ".char_tokenizer",
     "resolve_dtype": ".hf",
     "lm_head_weight": ".hf",
     "decoder_of": ".hf",

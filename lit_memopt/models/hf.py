@@ -70,6 +70,11 @@ class ModelConfig:
             (``qwen3``, ``qwen2``, ``llama``, ...). Ignored for the weights when ``pretrained`` is set.
         pretrained: local directory for ``from_pretrained``; ``None`` builds from ``arch`` with random init.
         tokenizer: local tokenizer directory; ``None`` uses the byte-level tokenizer.
+        alphabet: build a character tokenizer over these characters instead
+            (:class:`lit_memopt.models.char_tokenizer.CharTokenizer`: ``<pad>``, ``</s>``, ``<unk>``, then one id
+            per character) and size the model's vocabulary to it (``arch.vocab_size`` 3 + characters, pad id 0,
+            eos id 1; filled in when left out). For synthetic tasks whose scores average over the vocabulary;
+            not with ``pretrained`` or ``tokenizer``.
         dtype: parameter dtype, ``float32`` or ``bfloat16`` (``float16`` also accepted).
         lora: ``None`` for full fine-tuning, or a dict with ``r``, ``alpha``, ``dropout``, ``target_modules``.
         attn_implementation: transformers attention backend (``sdpa`` by default, ``eager`` for debugging).
@@ -80,6 +85,7 @@ class ModelConfig:
     pretrained: str | None = None
     tokenizer: str | None = None
     dtype: str = "float32"
+    alphabet: str | None = None
     lora: dict[str, Any] | None = None
     attn_implementation: str = "sdpa"
 
@@ -91,6 +97,20 @@ class ModelConfig:
             raise ValueError(
                 f"model {self.name!r}: set model.arch.model_type (e.g. qwen3) or model.pretrained=/local/path."
             )
+        if self.alphabet is not None:
+            from lit_memopt.models.char_tokenizer import SPECIAL_TOKENS, check_alphabet
+
+            if self.pretrained is not None or self.tokenizer is not None:
+                raise ValueError(f"model {self.name!r}: model.alphabet builds its own tokenizer and vocabulary; it "
+                                 "cannot be combined with model.pretrained or model.tokenizer (set it to null).")
+            # the embedding has exactly one row per id: no never-used ids (see char_tokenizer.py for why)
+            ids = {"vocab_size": len(SPECIAL_TOKENS) + len(check_alphabet(self.alphabet)),
+                   "pad_token_id": SPECIAL_TOKENS.index("<pad>"), "eos_token_id": SPECIAL_TOKENS.index("</s>")}
+            clashes = {k: self.arch[k] for k, v in ids.items() if self.arch.get(k, v) != v}
+            if clashes:
+                raise ValueError(f"model {self.name!r}: model.alphabet {self.alphabet!r} needs arch "
+                                 f"{ {k: ids[k] for k in clashes} }, got {clashes}; set those (or leave them out).")
+            self.arch.update(ids)
         if self.lora is not None:
             unknown = set(self.lora) - {"r", "alpha", "dropout", "target_modules"}
             if unknown:
@@ -140,6 +160,10 @@ class ModelConfig:
         return get_peft_model(model, config)
 
     def build_tokenizer(self):
+        if self.alphabet is not None:
+            from lit_memopt.models.char_tokenizer import CharTokenizer
+
+            return CharTokenizer(self.alphabet)
         return build_tokenizer(self.tokenizer)
 
 
