@@ -16,7 +16,8 @@ default seed; the verdicts are the targets of issue 15.
 
 Run ``python benchmarks/learning.py [--quick] [--only crsp,ttt]`` (also ``python -m benchmarks --only learning``);
 ``--quick`` runs the two short recipes (``grade``, ``ttt``; about two minutes together on a 2-core CPU). Writes
-``benchmarks/results/learning_cpu[_quick].{md,json}``; exits 1 when a target is missed.
+``benchmarks/results/learning_cpu[_quick].{md,json}`` (``learning_cpu_<names>`` with ``--only``); exits 1 when a
+target is missed.
 """
 
 from __future__ import annotations
@@ -177,6 +178,13 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_name(quick: bool = False, only: Optional[list[str]] = None) -> str:
+    """``learning_cpu``, ``learning_cpu_quick``, or ``learning_cpu_<names>`` for ``--only``."""
+    if only:
+        return "learning_cpu_" + "_".join(only)
+    return f"learning_cpu{'_quick' if quick else ''}"
+
+
 def run(quick: bool = False, write: bool = True, only: Optional[list[str]] = None,
         workdir: Optional[Path] = None) -> dict[str, Any]:
     names = list(only or (QUICK if quick else TARGETS))
@@ -196,8 +204,8 @@ def run(quick: bool = False, write: bool = True, only: Optional[list[str]] = Non
     command = "python benchmarks/learning.py" + (" --quick" if quick else "") + (f" --only {','.join(only)}" if only else "")
     result = {"command": command, "quick": quick, "torch": torch.__version__, "machine": platform.platform(),
               "cpus": os.cpu_count(), "recipes": recipes, "failures": failures}
-    if write:
-        write_results(f"learning_cpu{'_quick' if quick else ''}", result, to_markdown(result))
+    if write:  # a partial run (--only) keeps its own file: the full run's table stays whole
+        write_results(results_name(quick, only), result, to_markdown(result))
     rows = [{"case": "learning", "metric": f"{r['recipe']}: held-out {r['target']['metric']}, last − first",
              "baseline": r["first"], "baseline_label": "first validation", "optimized": r["last"], "unit": "",
              "ratio": None, "target": _report_target(r["target"]), "pass": r["passed"]} for r in recipes]

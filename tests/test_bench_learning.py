@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import normalise
-from benchmarks.learning import TIME_LIMIT_S, judge, read_metrics, run
+from benchmarks.learning import TIME_LIMIT_S, judge, read_metrics, results_name, run
 
 
 def validations(metric: str, values: list[float], stderr: float | None = None, **extra: float) -> list[dict[str, float]]:
@@ -57,6 +57,12 @@ def test_a_run_without_two_validations_or_logs_is_named(tmp_path: Path) -> None:
         read_metrics(tmp_path)
     with pytest.raises(ValueError, match="unknown recipe"):
         run(only=["sft"], write=False)
+
+
+def test_a_partial_run_writes_its_own_results_file() -> None:
+    assert (results_name(), results_name(quick=True)) == ("learning_cpu", "learning_cpu_quick")
+    assert results_name(only=["crsp"]) == "learning_cpu_crsp"  # the full run's table is never overwritten by a part
+    assert results_name(quick=True, only=["grade", "ttt"]) == "learning_cpu_grade_ttt"
 
 
 def test_the_ttt_recipe_learns_as_shipped(tmp_path: Path) -> None:
