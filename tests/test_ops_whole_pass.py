@@ -177,3 +177,35 @@ def test_the_whole_pass_keeps_the_tiled_memory(rows, hidden_size, what, monkeypa
     # each weight-gradient tile is written straight into the gradient (``write_weight_gradient_rows``), as tile by tile
     assert extra["1"] <= 1.25 * extra["0"], (what, extra, weight_tile)
     assert extra["1"] <= 8 * max(logits_tile, weight_tile), (what, extra, logits_tile, weight_tile)
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad_dtype, operand_dtype", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)],
+                         ids=["same-dtype", "bf16-into-fp32"])
+def test_the_weight_gradient_operator_writes_only_its_rows(compiled, grad_dtype, operand_dtype):
+    """``write_weight_gradient_rows`` (a plain operator-library op, cheaper per call than ``custom_op``) writes
+    ``operand.T @ h`` into rows ``[start, start + tile)`` of the gradient, in place, and nothing else: eagerly (the
+    fallback when compiling fails) and inside a compiled graph, where the gradient is a mutated input."""
+    from lit_memopt.ops._whole_pass import write_weight_gradient_rows
+
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden, vocab, start, tile = 5, 6, 20, 8, 7
+    operand = torch.randn(rows, tile, generator=gen).to(operand_dtype)
+    h = torch.randn(rows, hidden, generator=gen).to(operand_dtype)
+    before = torch.randn(vocab, hidden, generator=gen).to(grad_dtype)
+
+    def write(grad_w, operand, h):
+        write_weight_gradient_rows(grad_w, start, operand, h, False)
+        return grad_w.sum()  # a graph output, so the compiler cannot drop the write
+
+    grad_w = before.clone()
+    storage = grad_w.data_ptr()
+    (torch.compile(write, dynamic=True) if compiled else write)(grad_w, operand, h)
+    expected = before.clone()
+    expected[start:start + tile] = (operand.double().t() @ h.double()).to(grad_dtype)
+    assert grad_w.data_ptr() == storage
+    if grad_dtype == torch.float64:
+        torch.testing.assert_close(grad_w, expected, rtol=0, atol=0)
+    else:  # a bf16 product (rounded to bf16 on a CPU) into an fp32 gradient: bf16 rounding, not a misplaced row
+        scale = expected[start:start + tile].abs().max().item()
+        torch.testing.assert_close(grad_w, expected, rtol=2**-7, atol=2**-7 * scale)
+    assert torch.equal(torch.cat([grad_w[:start], grad_w[start + tile:]]), torch.cat([before[:start], before[start + tile:]]))
