@@ -188,6 +188,43 @@ class Method:
     # The forward computes the gradients and the backward only hands them out (Liger's chunked losses):
     # under fake tensors the forward alone is measured, its peak is the step's.
     grads_in_forward: bool = False
+    # A timing reference, not an implementation (see :func:`product_floors`): timed beside the methods, never
+    # checked for exactness.
+    floor: bool = False
+
+
+FLOOR_HOLDING = "floor: 3 head products (logits held)"
+FLOOR_RECOMPUTING = "floor: 4 head products (logits recomputed)"
+
+
+class _HeadProducts(torch.autograd.Function):
+    """Only the head-sized matrix products of a log-prob step, none of its softmax maths: the forward's logits
+    ``h @ W.T`` and, in the backward, the hidden and weight gradients from a logits-shaped gradient (the logits
+    themselves stand in for it). ``recompute``: the backward multiplies the logits again instead of keeping them,
+    as any path that never holds ``[N, V]`` logits must, because the weight gradient needs every row's final
+    softmax normaliser and upstream gradient, which exist only after the whole vocabulary has been seen."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, recompute: bool):  # type: ignore[override]
+        logits = hidden @ weight.t()
+        ctx.recompute = recompute
+        ctx.save_for_backward(hidden, weight, None if recompute else logits)
+        return logits[:, 0].float()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        hidden, weight, logits = ctx.saved_tensors
+        if ctx.recompute:
+            logits = hidden @ weight.t()
+        return logits @ weight, logits.t() @ hidden, None
+
+
+def product_floors() -> list[Method]:
+    """Two timing references for log-probs: the products alone of a path that holds the logits (three, as the
+    naive path and Cut Cross-Entropy's CPU implementation) and of one that recomputes them (four, as lit-memopt).
+    Timed beside the methods, they show what no softmax code can win back."""
+    return [Method(FLOOR_HOLDING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], False),), floor=True),
+            Method(FLOOR_RECOMPUTING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], True),), floor=True)]
 
 
 def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer], device: str = "cpu") -> tuple[list[Method], list[dict[str, str]]]:

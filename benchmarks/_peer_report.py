@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks._peer_measure import paired_ratio
-from benchmarks._peer_methods import GRPO, LIT_EXACT, LIT_FAST, NAIVE, OPS, TIME_SHAPE
+from benchmarks._peer_methods import FLOOR_HOLDING, FLOOR_RECOMPUTING, GRPO, LIT_EXACT, LIT_FAST, NAIVE, OPS, TIME_SHAPE
 
 # The issue's "Must show" targets.
 BF16_FAST_VS_CCE_TIME = 1.0
@@ -19,6 +19,14 @@ MEMORY_VS_BEST_PEER = 0.2
 MEMORY_VS_NAIVE = 0.02
 
 # ------------------------------------------------------------------ targets
+
+
+def _floor_note(case: dict[str, Any], peer_method: str, peer_label: str) -> str:
+    """What the bare head products of a step took against ``peer_method``, where they were timed in ``case``."""
+    if not all(name in case["times"] for name in (FLOOR_RECOMPUTING, FLOOR_HOLDING, peer_method)):
+        return ""
+    return (f"; the products alone took {paired_ratio(case['times'], FLOOR_RECOMPUTING, peer_method):.2f}x {peer_label} "
+            f"with the logits recomputed (four), {paired_ratio(case['times'], FLOOR_HOLDING, peer_method):.2f}x held (three)")
 
 
 def judge(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,7 +55,7 @@ def judge(result: dict[str, Any]) -> list[dict[str, Any]]:
             "detail": f"time {ratio:.2f}x CCE; errors (value, grad hidden, grad weight) fast "
                       f"{fast['value_err']:.2e}, {fast['grad_hidden_err']:.2e}, {fast['grad_weight_err']:.2e} vs CCE "
                       f"{cce['value_err']:.2e}, {cce['grad_hidden_err']:.2e}, {cce['grad_weight_err']:.2e}"
-                      + ("" if judged else " (quick shape: not judged)"),
+                      + _floor_note(c, cce["method"], "CCE") + ("" if judged else " (quick shape: not judged)"),
         })
     for op in OPS:
         c = by_key.get((op, "float32"))
@@ -63,7 +71,8 @@ def judge(result: dict[str, Any]) -> list[dict[str, Any]]:
         judged = c["shape"] == TIME_SHAPE
         verdicts.append({"target": f"fp32 {op}: <= {FP32_VS_FASTEST_PEER_TIME}x the fastest peer",
                          "met": ratio <= FP32_VS_FASTEST_PEER_TIME if judged else None, "ratio": ratio,
-                         "detail": f"{ratio:.2f}x {fastest['method']}" + ("" if judged else " (quick shape: not judged)")})
+                         "detail": f"{ratio:.2f}x {fastest['method']}" + _floor_note(c, fastest["method"], "it")
+                                   + ("" if judged else " (quick shape: not judged)")})
     for m in result["memory_fake"]:
         naive = m["methods"].get(NAIVE, {}).get("extra_bytes")
         peers_ok = {k: v["extra_bytes"] for k, v in m["methods"].items() if k not in (NAIVE, LIT_EXACT, LIT_FAST) and "extra_bytes" in v}
@@ -170,6 +179,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         for r in c["rows"]:
             t = f"{r['median_s'] * 1e3:,.0f} ms" if "median_s" in r else "—"
             ratio = f"{r['ratio_vs_naive']:.2f}x" if "ratio_vs_naive" in r else "—"
+            if r.get("floor"):  # a timing reference: products only, no values to check
+                lines.append(f"| *{r['method']}* | {t} | {ratio} | — | — | — | — |")
+                continue
             lines.append(f"| {r['method']} | {t} | {ratio} | {r['value_err']:.2e} | {r['grad_hidden_err']:.2e} | "
                          f"{r['grad_weight_err']:.2e} | {r['out_dtype']} |")
         for a in c["absent"]:
@@ -206,7 +218,7 @@ def report_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c in result["time"]:
         for r in c["rows"]:
-            if "median_s" not in r or r["method"] == NAIVE or r.get("peer"):  # the peers' own rows: peers_<device>.md
+            if "median_s" not in r or r["method"] == NAIVE or r.get("peer") or r.get("floor"):  # peers, floors: peers_<device>.md
                 continue
             naive_s = next(x["median_s"] for x in c["rows"] if x["method"] == NAIVE)
             rows.append({"metric": f"{c['op']} {c['dtype']} {r['method']}: CPU time, one thread", "baseline": naive_s,

@@ -39,6 +39,8 @@ from benchmarks._peer_methods import (  # noqa: E402,F401
     LIT_FAST,
     NAIVE,
     OPS,
+    FLOOR_HOLDING,
+    FLOOR_RECOMPUTING,
     PEER_LOADERS,
     REAL_MEMORY_SHAPE,
     REAL_MEMORY_SHAPE_QUICK,
@@ -57,6 +59,7 @@ from benchmarks._peer_methods import (  # noqa: E402,F401
     make_inputs,
     methods_for,
     objective,
+    product_floors,
 )
 from benchmarks._peer_report import (  # noqa: E402,F401
     BF16_FAST_VS_CCE_TIME,
@@ -83,15 +86,18 @@ def load_peers(names: Optional[list[str]] = None) -> dict[str, Peer]:
 
 def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers: dict[str, Peer], *,
             sequence_length: int = SEQUENCE_LENGTH, only: Optional[list[str]] = None) -> dict[str, Any]:
-    """Exactness and interleaved one-thread time of every method of ``op`` at ``shape``."""
+    """Exactness and interleaved one-thread time of every method of ``op`` at ``shape``; log-probs are also
+    timed against the bare head products of a step (:func:`product_floors`)."""
     methods, absent = methods_for(op, dtype, peers)
+    if op == "logprobs":
+        methods += product_floors()
     if only is not None:
         methods = [m for m in methods if m.name in only or m.name == NAIVE]
     x = make_inputs(shape, dtype, sequence_length=sequence_length)
     add_grpo_logps(x, sequence_length)
     with one_thread(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        errors = exactness(methods, x)
+        errors = exactness([m for m in methods if not m.floor], x)
         failed = {name for name, e in errors.items() if "error" in e}
         for m in methods:
             if m.name in failed:
@@ -100,7 +106,7 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
         times = interleaved_times(runnable, x, reps) if reps > 0 else {}
     rows = []
     for m in runnable:
-        r: dict[str, Any] = {"method": m.name, "peer": m.peer, **errors[m.name]}
+        r: dict[str, Any] = {"method": m.name, "peer": m.peer, **({"floor": True} if m.floor else errors[m.name])}
         if times:
             r["median_s"] = statistics.median(times[m.name])
             r["ratio_vs_naive"] = paired_ratio(times, m.name, NAIVE)

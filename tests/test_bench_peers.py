@@ -28,7 +28,9 @@ def test_a_peer_that_cannot_import_is_absent_with_its_error(only_a_missing_peer:
     assert not peer.available and peer.version is None
     assert peer.error == "ImportError: No module named 'not_a_peer'"
     c = peers.compare("logprobs", torch.float32, TINY, 1, only_a_missing_peer, sequence_length=16)
-    assert [r["method"] for r in c["rows"]] == [peers.NAIVE, peers.LIT_EXACT]
+    assert [r["method"] for r in c["rows"]] == [peers.NAIVE, peers.LIT_EXACT, peers.FLOOR_HOLDING, peers.FLOOR_RECOMPUTING]
+    floors = [r for r in c["rows"] if r.get("floor")]
+    assert len(floors) == 2 and all("value_err" not in r and r["median_s"] > 0 for r in floors)
     assert c["absent"] == [{"peer": "TRL chunked", "method": "TRL ChunkedLogProbFunction", "error": peer.error}]
 
 
@@ -85,6 +87,37 @@ def test_judge_compares_with_the_peer_in_the_same_repetitions() -> None:
     result["time"][0]["shape"] = peers.TIME_SHAPE_QUICK  # the targets are defined at the full shape only
     (verdict,) = peers.judge(result)
     assert verdict["met"] is None
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["held", "recomputed"])
+def test_the_product_floors_make_a_log_prob_steps_head_products(recompute: bool) -> None:
+    """The timing references are what they claim: the forward's logits product and, in the backward, the hidden and
+    weight gradients of a logits-shaped operand (the logits, kept or multiplied again)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    floor = {m.name: m for m in peers.product_floors()}[peers.FLOOR_RECOMPUTING if recompute else peers.FLOOR_HOLDING]
+    assert floor.floor
+    (out,) = floor.fn({"hidden": hidden, "weight": weight})
+    logits = hidden.detach() @ weight.detach().t()
+    torch.testing.assert_close(out, logits[:, 0].float())
+    out.sum().backward()
+    torch.testing.assert_close(hidden.grad, logits @ weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(weight.grad, logits.t() @ hidden.detach(), rtol=0, atol=0)
+
+
+def test_the_targets_say_what_the_bare_products_took_against_the_peer() -> None:
+    row = {"value_err": 1e-3, "grad_hidden_err": 1e-3, "grad_weight_err": 1e-3}
+    times = {peers.LIT_FAST: [1.3, 1.3, 1.3], "cce": [1.0, 1.0, 1.0],
+             peers.FLOOR_RECOMPUTING: [1.2, 1.2, 1.2], peers.FLOOR_HOLDING: [0.9, 0.9, 0.9]}
+    result = {"time": [{"op": "logprobs", "dtype": "bfloat16", "shape": peers.TIME_SHAPE, "times": times,
+                        "rows": [{"method": peers.LIT_FAST, **row}, {"method": "cce", "peer": "Cut Cross-Entropy", **row},
+                                 {"method": peers.FLOOR_RECOMPUTING, "floor": True},
+                                 {"method": peers.FLOOR_HOLDING, "floor": True}]}],
+              "memory_fake": []}
+    (verdict,) = peers.judge(result)
+    assert verdict["met"] is False
+    assert "the products alone took 1.20x CCE with the logits recomputed (four), 0.90x held (three)" in verdict["detail"]
 
 
 @pytest.fixture
