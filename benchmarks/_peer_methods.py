@@ -201,8 +201,10 @@ class _HeadProducts(torch.autograd.Function):
     """Only the head-sized matrix products of a log-prob step, none of its softmax maths: the forward's logits
     ``h @ W.T`` and, in the backward, the hidden and weight gradients from a logits-shaped gradient (the logits
     themselves stand in for it). ``recompute``: the backward multiplies the logits again instead of keeping them,
-    as any path that never holds ``[N, V]`` logits must, because the weight gradient needs every row's final
-    softmax normaliser and upstream gradient, which exist only after the whole vocabulary has been seen."""
+    as any path that never holds ``[N, V]`` logits must for per-token outputs: the weight gradient needs every
+    row's softmax normaliser, known only once the forward has seen the whole vocabulary, and its upstream gradient,
+    known only in the backward. (A fused scalar loss, whose gradient is known in the forward, can get by with three
+    products over row chunks, as Liger's chunked losses do; the outputs benchmarked here are per token.)"""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, recompute: bool):  # type: ignore[override]
