@@ -178,6 +178,7 @@ def test_the_whole_pass_keeps_the_tiled_memory(rows, hidden_size, what, monkeypa
     assert extra["1"] <= 1.25 * extra["0"], (what, extra, weight_tile)
     assert extra["1"] <= 8 * max(logits_tile, weight_tile), (what, extra, logits_tile, weight_tile)
 
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("grad_dtype, operand_dtype", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)],
                          ids=["same-dtype", "bf16-into-fp32"])
