@@ -35,8 +35,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
 fi
-echo "[setup] installing lit-memopt[test] (editable)"
-pip_install -e ".[test]"
+echo "[setup] installing lit-memopt[test,data] (editable)"
+pip_install -e ".[test,data]"
 if [ "${WITH_BENCH:-0}" = 1 ]; then
   # The peers of benchmarks/peers.py (the `bench` extra), without their dependencies so that torch is
   # never replaced; then the small packages TRL's trainer utilities import. None of them asks for torch.

@@ -41,3 +41,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def user_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A user's local checkpoint: a tiny Qwen3 and a trained BPE tokenizer with a chat template (tests/_user_assets.py)."""
+    from _user_assets import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("user") / "tiny-qwen3")
