@@ -48,10 +48,18 @@ def test_an_alphabet_and_a_different_vocabulary_size_are_named():
         ModelConfig(name="t", arch=_arch(vocab_size=384), alphabet="ab")
 
 
-def test_an_alphabet_cannot_replace_a_checkpoint_or_tokenizer_directory(tmp_path):
-    for where in ("pretrained", "tokenizer"):
-        with pytest.raises(ValueError, match="cannot be combined with model.pretrained or model.tokenizer"):
-            ModelConfig(name="t", arch=_arch(), alphabet="ab", **{where: str(tmp_path)})
+def test_an_alphabet_cannot_replace_a_tokenizer_directory(tmp_path):
+    with pytest.raises(ValueError, match="cannot be combined with model.tokenizer"):
+        ModelConfig(name="t", arch=_arch(), alphabet="ab", tokenizer=str(tmp_path))
+
+
+def test_a_checkpoint_replaces_the_toy_alphabet(user_checkpoint):
+    """Any model= group works with model.pretrained: the checkpoint's own vocabulary and tokenizer win."""
+    config = ModelConfig(name="t", arch=_arch(), alphabet="ab", pretrained=str(user_checkpoint))
+    assert config.alphabet is None and config.is_checkpoint
+    tokenizer = config.build_tokenizer()
+    assert type(tokenizer).__name__ != "CharTokenizer" and tokenizer.chat_template
+    assert config.build_model().get_input_embeddings().weight.shape[0] == len(tokenizer)
 
 
 def test_task_characters_outside_the_alphabet_are_named_before_training():

@@ -50,6 +50,18 @@ def build_tokenizer(path: str | None = None):
     return AutoTokenizer.from_pretrained(require_local_path(path, "model.tokenizer"))
 
 
+def pretrained_tokenizer(path: str):
+    """The tokenizer saved in a checkpoint folder, or one line saying that the folder has none and what to do."""
+    from transformers import AutoTokenizer
+
+    path = require_local_path(path, "model.pretrained")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model.pretrained={path!r} holds no tokenizer that AutoTokenizer can load "
+                         f"({str(err).splitlines()[0][:160]}); set model.tokenizer=/path/to/its/tokenizer.") from None
+
+
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
     """The ``[V, H]`` output-embedding weight of a transformers causal LM (LoRA-wrapped or not)."""
     head = model.get_output_embeddings()
@@ -69,12 +81,13 @@ class ModelConfig:
         arch: keyword arguments of the transformers config, including ``model_type``
             (``qwen3``, ``qwen2``, ``llama``, ...). Ignored for the weights when ``pretrained`` is set.
         pretrained: local directory for ``from_pretrained``; ``None`` builds from ``arch`` with random init.
-        tokenizer: local tokenizer directory; ``None`` uses the byte-level tokenizer.
+        tokenizer: local tokenizer directory; ``None`` uses ``pretrained``'s tokenizer when a checkpoint is given,
+            else the byte-level tokenizer.
         alphabet: build a character tokenizer over these characters instead
             (:class:`lit_memopt.models.char_tokenizer.CharTokenizer`: ``<pad>``, ``</s>``, ``<unk>``, then one id
             per character) and size the model's vocabulary to it (``arch.vocab_size`` 3 + characters, pad id 0,
             eos id 1; filled in when left out). For synthetic tasks whose scores average over the vocabulary;
-            not with ``pretrained`` or ``tokenizer``.
+            not with ``tokenizer``, and dropped when ``pretrained`` is given (the checkpoint has its own vocabulary).
         dtype: parameter dtype, ``float32`` or ``bfloat16`` (``float16`` also accepted).
         lora: ``None`` for full fine-tuning, or a dict with ``r``, ``alpha``, ``dropout``, ``target_modules``.
         attn_implementation: transformers attention backend (``sdpa`` by default, ``eager`` for debugging).
@@ -97,12 +110,16 @@ class ModelConfig:
             raise ValueError(
                 f"model {self.name!r}: set model.arch.model_type (e.g. qwen3) or model.pretrained=/local/path."
             )
+        if self.alphabet is not None and self.pretrained is not None:
+            # A checkpoint brings its own vocabulary and tokenizer: any model= group works with model.pretrained=DIR,
+            # including the toy groups whose character alphabet sizes a random-init model.
+            self.alphabet = None
         if self.alphabet is not None:
             from lit_memopt.models.char_tokenizer import SPECIAL_TOKENS, check_alphabet
 
-            if self.pretrained is not None or self.tokenizer is not None:
+            if self.tokenizer is not None:
                 raise ValueError(f"model {self.name!r}: model.alphabet builds its own tokenizer and vocabulary; it "
-                                 "cannot be combined with model.pretrained or model.tokenizer (set it to null).")
+                                 "cannot be combined with model.tokenizer (set one of them to null).")
             # the embedding has exactly one row per id: no never-used ids (see char_tokenizer.py for why)
             ids = {"vocab_size": len(SPECIAL_TOKENS) + len(check_alphabet(self.alphabet)),
                    "pad_token_id": SPECIAL_TOKENS.index("<pad>"), "eos_token_id": SPECIAL_TOKENS.index("</s>")}
@@ -164,7 +181,14 @@ class ModelConfig:
             from lit_memopt.models.char_tokenizer import CharTokenizer
 
             return CharTokenizer(self.alphabet)
+        if self.tokenizer is None and self.pretrained is not None:
+            return pretrained_tokenizer(self.pretrained)
         return build_tokenizer(self.tokenizer)
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """Weights come from a user's checkpoint (``pretrained``), not a random init: warm starts are skipped."""
+        return self.pretrained is not None
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:

@@ -45,6 +45,9 @@ class WarmStart:
         path: weights file to reuse when it exists and to write otherwise; ``None``: ``warm_start.pt`` in the
             run directory (a second run of the same recipe in the same directory reuses it).
         seed: seed of the example draw and the batch order.
+        on_checkpoint: also warm-start when the model comes from a checkpoint (``model.pretrained``). Off by
+            default: the warm starts exist for the random-init toy defaults, and a real checkpoint can already
+            attempt the task (and a user's data may have no examples to fit).
     """
 
     steps: int = 0
@@ -52,6 +55,7 @@ class WarmStart:
     batch_size: int = 32
     path: str | None = None
     seed: int = 0
+    on_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         for name, ok, accepted in (
@@ -264,6 +268,11 @@ def warm_start_in_setup(module: Any, model: torch.nn.Module, config: WarmStart,
     if trainer.ckpt_path is not None:
         return
     module._warm_started = True
+    model_config = getattr(module, "model_config", None)
+    if getattr(model_config, "is_checkpoint", False) and not config.on_checkpoint:
+        rank_zero_info(f"{type(module).__name__} warm start: skipped, the policy is the checkpoint "
+                       f"{model_config.pretrained} (module.warm_start.on_checkpoint=true runs it anyway)")
+        return
     model.to(trainer.strategy.root_device)
     if examples is None:
         examples = getattr(trainer.datamodule, "warm_start_examples", None)
