@@ -156,6 +156,7 @@ class ModelConfig:
         kwargs = {"dtype": self.torch_dtype, "attn_implementation": self.attn_implementation}
         if self.pretrained is not None:
             model = AutoModelForCausalLM.from_pretrained(require_local_path(self.pretrained, "model.pretrained"), **kwargs)
+            model.train()  # from_pretrained returns eval mode; a built policy trains (dropout as its config says)
         else:
             model = AutoModelForCausalLM.from_config(self.hf_config(), **kwargs)
         if self.lora is not None and apply_lora:

@@ -14,10 +14,15 @@ from lit_memopt.models.sharding import shard_for_fsdp2
 
 
 def next_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean next-token negative log-likelihood over labelled tokens, and the number of those tokens."""
+    """Mean next-token negative log-likelihood over labelled tokens, and the number of those tokens.
+
+    A packed batch (``data.packing``) brings ``position_ids`` that restart at each row and no attention mask:
+    transformers then keeps each row's attention to itself.
+    """
     input_ids = batch["input_ids"]
     labels = batch.get("labels", input_ids)
-    hidden = decoder_hidden_states(model, input_ids, attention_mask=batch.get("attention_mask"))
+    extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
+    hidden = decoder_hidden_states(model, input_ids, attention_mask=batch.get("attention_mask"), **extra)
     targets = labels[:, 1:]
     logprobs = linear_logprobs(hidden[:, :-1], lm_head_weight(model), targets, chunk_size=chunk_size)
     count = (targets != -100).sum()
