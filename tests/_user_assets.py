@@ -101,3 +101,18 @@ def prompt_completion_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
 
 def prompt_answer_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
     return [{"prompt": q, "answer": a} for q, a in problems(count, seed)]
+
+
+def make_demo(folder: Path) -> None:
+    """What the README's "Your model, your data" commands run on: a checkpoint and two data files in ``folder``."""
+    save_tiny_checkpoint(folder / "tiny-qwen3")
+    write_jsonl(folder / "chats.jsonl", message_rows(512))
+    write_jsonl(folder / "math.jsonl", prompt_answer_rows(256))
+    print(f"wrote {folder / 'tiny-qwen3'} (a tiny Qwen3 with a BPE tokenizer and a chat template), "
+          f"{folder / 'chats.jsonl'} (512 chats) and {folder / 'math.jsonl'} (256 prompts with answers)")
+
+
+if __name__ == "__main__":  # python tests/_user_assets.py DIR
+    import sys
+
+    make_demo(Path(sys.argv[1] if len(sys.argv) > 1 else "demo"))
