@@ -22,6 +22,7 @@ COMMAND_HELP = {
     "fit": "train a recipe:            lit-memopt fit recipe=sft [overrides]",
     "validate": "validate from a checkpoint: lit-memopt validate recipe=sft ckpt_path=/path/last.ckpt",
     "estimate": "predict peak memory:       lit-memopt estimate recipe=grade model=qwen3_4b [gpu_memory=80GiB]",
+    "export": "export to Hugging Face:    lit-memopt export ckpt_path=RUN/checkpoints/last.ckpt out=DIR [lora=adapter]",
     "benchmark": "run the benchmarks:        lit-memopt benchmark [--quick]",
 }
 # Hydra's own command-line flags: passed through untouched, never validated as overrides.
@@ -315,6 +316,10 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     run = instantiate_run(cfg)
     datamodule, module, callbacks = run.datamodule, run.module, run.callbacks
     check_module_fits_strategy(cfg, module)
+    if command == "fit" and cfg.get("export"):
+        from lit_memopt.export import check_fit_export
+
+        check_fit_export(cfg, module)  # a full out folder or a non-transformers model stops the run before it trains
     set_cpu_threads(cfg, module)
     summary = RunSummary()
     callbacks.append(summary)
@@ -340,6 +345,10 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     result = summary.collect(trainer, module, run_dir=run_dir, seconds=elapsed, command=command)
     if trainer.is_global_zero:
         print_summary(result)
+    if command == "fit" and cfg.get("export"):
+        from lit_memopt.export import export_after_fit
+
+        export_after_fit(cfg, module, is_global_zero=trainer.is_global_zero)  # every rank: FSDP2 gathers the weights
     return result
 
 
@@ -407,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "(or `python -m benchmarks`) from a checkout installed with `pip install -e .`"
                 ) from None
             return int(benchmark_main(rest) or 0)
+        if command == "export":
+            return _run_export(rest)
         if command not in HYDRA_COMMANDS:
             hint = " (overrides go after a command: lit-memopt fit recipe=sft)" if "=" in command else ""
             raise UsageError(f"unknown command {command!r}{hint}; choose one of: {', '.join(COMMAND_HELP)}")
@@ -414,6 +425,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_export(args: list[str]) -> int:
+    """``lit-memopt export``: plain key=value options (the run's saved config is read, not composed by Hydra)."""
+    from lit_memopt.export import run_export_command
+
+    try:
+        return run_export_command(args)
+    except Exception as exc:  # noqa: BLE001 - user mistakes become one line, the rest re-raises
+        message = _user_error_message(exc)
+        if message is None or os.environ.get("LIT_MEMOPT_DEBUG"):
+            raise
+        raise UsageError(message) from None
 
 
 def console_main() -> None:
