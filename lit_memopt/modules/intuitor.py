@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memopt.models import lm_head_weight
 from lit_memopt.modules.heldout import MeanAndStderr
@@ -17,6 +17,7 @@ from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.seeding import derive_seed
 from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
+from lit_memopt.rewards.verifiers import call_reward_fn, load_reward_fn
 from lit_memopt.modules.rollout import (
     Rollout,
     scatter_response,
@@ -40,7 +41,8 @@ class IntuitorModule(pl.LightningModule):
     ``U`` is uniform over the vocabulary and ``p`` the current policy's next-token distribution
     (``linear_self_certainty(...) - log V``, without grad). With ``accuracy_weight = w > 0`` the
     reward is ``(1 - w) * self_certainty + w * accuracy`` from the data's checker (``w = 1`` is plain
-    GRPO with a verifiable reward). Advantages are normalised within each prompt's group, and the
+    GRPO with a verifiable reward), or with ``reward_fn`` set, ``w`` times that function's reward in
+    place of the accuracy. Advantages are normalised within each prompt's group, and the
     loss is ``ppo_clip_loss`` (clip ``clip_eps``) plus ``kl_coef`` times the k3 estimate of
     ``KL(pi || pi_ref)``.
 
@@ -88,10 +90,17 @@ class IntuitorModule(pl.LightningModule):
             The reference policy is the warm-started one.
         val_greedy: also answer each held-out prompt by greedy decoding (``val/accuracy_greedy``): how far
             sharpening the sampled answers towards the policy's mode could take ``val/accuracy``.
+        reward_fn: ``"package.module:function"`` (or ``"package.module.function"``): a reward function with TRL's
+            signature ``fn(prompts, completions, **kwargs) -> list[float]``, called on the decoded responses
+            with the batch's ``answer`` and other data columns (``reward_kwargs``) as keyword lists, one item
+            per response. Its reward replaces the checker's accuracy in the reward (``accuracy_weight``
+            still mixes it with self-certainty); accuracy is still logged. ``None``: the checker's accuracy.
 
     Raises:
-        ValueError: on an out-of-range hyper-parameter, or ``accuracy_weight > 0`` without a checker
-            (at ``setup``).
+        ValueError: on an out-of-range hyper-parameter or a ``reward_fn`` that cannot be imported; at ``setup``,
+            ``accuracy_weight > 0`` without a checker or reward function, data without answers that the reward
+            needs, or prompts (``data.max_prompt_length``) plus responses (``max_new_tokens``) longer than the
+            model's ``max_position_embeddings``.
 
     Example::
 
@@ -106,7 +115,8 @@ class IntuitorModule(pl.LightningModule):
     generates_until_eos = True
 
     summary_keys = ("train/self_certainty", "train/kl", "val/accuracy", "val/accuracy_stderr", "val/accuracy_greedy",
-                    "val/accuracy_greedy_stderr", "val/self_certainty", "train/accuracy")  # the last: with a checker
+                    "val/accuracy_greedy_stderr", "val/self_certainty", "train/accuracy",  # with a checker
+                    "train/reward_fn")  # with module.reward_fn
 
     def __init__(
         self,
@@ -132,9 +142,11 @@ class IntuitorModule(pl.LightningModule):
         checker: Callable[[str, str], float] | None = None,
         warm_start: dict[str, Any] | WarmStart | None = None,
         val_greedy: bool = False,
+        reward_fn: str | None = None,
     ) -> None:
         super().__init__()
         self.warm_start = WarmStart.from_any(warm_start)
+        self.reward_fn = load_reward_fn(reward_fn) if reward_fn is not None else None
         _check(lr > 0, "lr", lr, "> 0")
         _check(weight_decay >= 0, "weight_decay", weight_decay, ">= 0")
         _check(int(warmup_steps) >= 0, "warmup_steps", warmup_steps, ">= 0")
@@ -149,6 +161,9 @@ class IntuitorModule(pl.LightningModule):
         _check(scale_rewards in SCALE_REWARDS, "scale_rewards", scale_rewards, f"one of {list(SCALE_REWARDS)}")
         if reference_micro_batch_size is not None:
             _check(int(reference_micro_batch_size) >= 1, "reference_micro_batch_size", reference_micro_batch_size, ">= 1 or null")
+        if self.reward_fn is not None and accuracy_weight == 0:
+            rank_zero_warn(f"module.reward_fn={reward_fn!r} does not enter the reward with module.accuracy_weight=0 "
+                           "(self-certainty alone; it is only logged, as train/reward_fn); set module.accuracy_weight > 0.")
         self.save_hyperparameters(ignore=["model_config", "tokenizer", "checker", "warm_start"])
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -166,15 +181,12 @@ class IntuitorModule(pl.LightningModule):
     # ------------------------------------------------------------------ setup
 
     def setup(self, stage: str) -> None:
-        warm_start_in_setup(self, self.model, self.warm_start, reference=self.reference)
-        if self.checker is None and self._trainer is not None:
-            datamodule = getattr(self.trainer, "datamodule", None)
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.checker is None:
             self.checker = getattr(datamodule, "checker", None)
-        if self.hparams.accuracy_weight > 0 and self.checker is None:
-            raise ValueError(
-                f"module.accuracy_weight={self.hparams.accuracy_weight} needs an answer checker: pass checker=... "
-                "or use a datamodule with a `checker` attribute (e.g. data=reasoning_prompts)."
-            )
+        # Checked before the warm start: a run that cannot reward its responses stops before any training.
+        _check_data_fits(self, datamodule)
+        warm_start_in_setup(self, self.model, self.warm_start, reference=self.reference)
         reference = "base weights under disable_adapter()" if self.reference is None else "a frozen copy of the initial policy"
         if self.hparams.kl_coef > 0:
             rank_zero_info(f"IntuitorModule: reference policy = {reference}.")
@@ -210,14 +222,27 @@ class IntuitorModule(pl.LightningModule):
         last = rollout.response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         return at_cap & (last != eos)  # a response whose last allowed token is EOS finished
 
-    def _accuracy(self, batch: dict[str, Any], rollout: Rollout) -> torch.Tensor | None:
+    def _accuracy(self, batch: dict[str, Any], rollout: Rollout, texts: list[str] | None = None) -> torch.Tensor | None:
         answers = batch.get("answers")
         if self.checker is None or answers is None or self.tokenizer is None:
             return None
-        texts = rollout.decode_responses(self.tokenizer)
+        texts = rollout.decode_responses(self.tokenizer) if texts is None else texts
         repeated = [a for a in answers for _ in range(rollout.num_samples)]
         scores = [float(self.checker(text, answer)) for text, answer in zip(texts, repeated)]
         return torch.tensor(scores, dtype=torch.float32, device=rollout.input_ids.device)
+
+    def _rewards(self, batch: dict[str, Any], rollout: Rollout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(accuracy, external reward)`` per response: the checker's verdicts (``None`` without a checker or
+        answers), and the reward mixed in by ``accuracy_weight``: ``reward_fn``'s when set, else the accuracy."""
+        checked = self.checker is not None and batch.get("answers") is not None
+        decode = self.tokenizer is not None and (checked or self.reward_fn is not None)
+        texts = rollout.decode_responses(self.tokenizer) if decode else None
+        accuracy = self._accuracy(batch, rollout, texts)
+        if self.reward_fn is None or texts is None:
+            return accuracy, accuracy
+        values = call_reward_fn(self.reward_fn, batch.get("prompts") or [], texts, rollout.num_samples,
+                                answers=batch.get("answers"), columns=batch.get("reward_kwargs"))
+        return accuracy, torch.tensor(values, dtype=torch.float32, device=rollout.input_ids.device)
 
     def _log_vocab(self) -> float:
         return math.log(lm_head_weight(self.model).shape[0])
@@ -271,11 +296,11 @@ class IntuitorModule(pl.LightningModule):
             # The reward is a fixed number per response: no gradient through it.
             certainty_tokens = linear_self_certainty(hidden.detach(), weight.detach(), temperature=hp.temperature, chunk_size=hp.chunk_size)
             certainty = masked_mean(scatter_response(certainty_tokens, positions), positions, dim=-1) - self._log_vocab()
-            accuracy = self._accuracy(batch, rollout)
+            accuracy, external = self._rewards(batch, rollout)
             # identical responses of a group get one reward, not rounding-noise rivals (see the function)
             reward = share_rewards_of_identical_responses(certainty, rollout)
-            if accuracy is not None and hp.accuracy_weight > 0:
-                reward = (1.0 - hp.accuracy_weight) * reward + hp.accuracy_weight * accuracy
+            if external is not None and hp.accuracy_weight > 0:
+                reward = (1.0 - hp.accuracy_weight) * reward + hp.accuracy_weight * external
             truncated = self._truncated(rollout)
             advantages = group_advantages(reward, group, hp.advantage_eps, scale=hp.scale_rewards)
 
@@ -304,6 +329,8 @@ class IntuitorModule(pl.LightningModule):
         self.log("train/truncated", truncated.float().mean(), batch_size=num_prompts)
         if accuracy is not None:
             self.log("train/accuracy", accuracy.mean(), prog_bar=True, batch_size=num_prompts)
+        if self.reward_fn is not None and external is not None:
+            self.log("train/reward_fn", external.mean(), batch_size=num_prompts)
         return loss
 
     @torch.no_grad()
@@ -355,6 +382,28 @@ class IntuitorModule(pl.LightningModule):
 def _check(ok: bool, name: str, value: Any, accepted: str) -> None:
     if not ok:
         raise ValueError(f"module.{name} must be {accepted}, got {value!r}.")
+
+
+def _check_data_fits(module: IntuitorModule, datamodule: Any) -> None:
+    """The data can reward the module's responses, and its longest prompt plus a response fits the model."""
+    hp = module.hparams
+    if hp.accuracy_weight > 0 and module.reward_fn is None:
+        if module.checker is None:
+            raise ValueError(
+                f"module.accuracy_weight={hp.accuracy_weight} needs an answer checker: pass checker=..., use a "
+                "datamodule with a `checker` attribute (data=reasoning_prompts; data=prompt_dataset with "
+                "data.verifier=math_verify|exact), or set module.reward_fn=package.module:function."
+            )
+        check_answers = getattr(datamodule, "check_answers", None)  # data that may lack answers (data=prompt_dataset)
+        if check_answers is not None:
+            check_answers(f"module.accuracy_weight={hp.accuracy_weight} (a reward from the answer checker)")
+    prompt_tokens = getattr(datamodule, "max_prompt_length", None)
+    positions = getattr(getattr(module.model, "config", None), "max_position_embeddings", None)
+    if prompt_tokens is not None and positions is not None and prompt_tokens + hp.max_new_tokens > positions:
+        raise ValueError(
+            f"data.max_prompt_length={prompt_tokens} + module.max_new_tokens={hp.max_new_tokens} exceeds the model's "
+            f"max_position_embeddings={positions}; lower one of the two."
+        )
 
 
 class _BatchRollout:
