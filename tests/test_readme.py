@@ -82,3 +82,19 @@ def test_runnable_shell_blocks_run(tmp_path: Path) -> None:
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=REPO, env=env, capture_output=True,
                                 text=True, timeout=240)
         assert result.returncode == 0, (block, result.stdout[-2000:], result.stderr[-2000:])
+
+
+def test_own_data_commands_run_as_written(tmp_path: Path) -> None:
+    """The "Your model, your data" block runs as written, in a scratch folder that sees the repository's tests/."""
+    import os
+
+    (block,) = _bash_blocks(" own-data")
+    (tmp_path / "tests").symlink_to(REPO / "tests")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               HF_DATASETS_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])
+    assert "largest |logit difference| from the trained model 0" in result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True"
+    assert (tmp_path / "demo" / "exported" / "model.safetensors").is_file()

@@ -313,6 +313,8 @@ class PromptDatasetDataModule(pl.LightningDataModule):
             if not len(table):
                 raise ValueError(f"data: every {part} prompt is longer than data.max_prompt_length={limit} tokens; "
                                  "raise it.")
+        # The longest prompt served: with the module's response budget it must fit the model (IntuitorModule.setup).
+        self.longest_prompt = max(getattr(self, "longest_prompt", 0), int(pc.max(table.data.column(LENGTH)).as_py()))
         served = [TEXT, IDS] + ([self.answer_column] if self.answer_column else []) + self.kwarg_columns
         table = table.with_format(columns=list(dict.fromkeys(served)))
         self.report[part] = {"rows": rows, "overlong": overlong, "kept": len(table)}

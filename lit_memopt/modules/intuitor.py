@@ -397,12 +397,14 @@ def _check_data_fits(module: IntuitorModule, datamodule: Any) -> None:
         check_answers = getattr(datamodule, "check_answers", None)  # data that may lack answers (data=prompt_dataset)
         if check_answers is not None:
             check_answers(f"module.accuracy_weight={hp.accuracy_weight} (a reward from the answer checker)")
-    prompt_tokens = getattr(datamodule, "max_prompt_length", None)
+    # The longest prompt the data serves (set up before the module), else the limit it allows.
+    prompt_tokens = getattr(datamodule, "longest_prompt", None) or getattr(datamodule, "max_prompt_length", None)
     positions = getattr(getattr(module.model, "config", None), "max_position_embeddings", None)
     if prompt_tokens is not None and positions is not None and prompt_tokens + hp.max_new_tokens > positions:
         raise ValueError(
-            f"data.max_prompt_length={prompt_tokens} + module.max_new_tokens={hp.max_new_tokens} exceeds the model's "
-            f"max_position_embeddings={positions}; lower one of the two."
+            f"the longest prompt ({prompt_tokens} tokens) + module.max_new_tokens={hp.max_new_tokens} exceeds the "
+            f"model's max_position_embeddings={positions}; lower module.max_new_tokens, or data.max_prompt_length "
+            "with data.overlong=drop."
         )
 
 
