@@ -426,11 +426,14 @@ def _tiny_run(user_checkpoint, tmp_path: Path, recipe: str, path: Path, *overrid
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "val/accuracy" in result.stdout  # the run summary
+    # the recipes' warm start (800 steps on the toy task) is skipped for a checkpoint, and the run says so
+    assert "warm start: skipped, the policy is the checkpoint" in result.stdout + result.stderr
+    assert not (run_dir / "warm_start.pt").exists()
     return _metrics(run_dir)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(45)
+@pytest.mark.timeout(150)
 def test_grpo_on_a_users_checkpoint_and_prompts(user_checkpoint, tmp_path: Path) -> None:
     """The math_verify checker gives grpo's reward and val/accuracy (its worker process in a real run)."""
     rows = _rows(12)
@@ -451,7 +454,7 @@ def reward(prompts, completions, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(45)
+@pytest.mark.timeout(150)
 def test_intuitor_on_chat_prompts_with_a_reward_fn(user_checkpoint, tmp_path: Path) -> None:
     """Chat-message prompts from parquet, `solution` answers, and a reward function from the working directory."""
     (tmp_path / "user_reward.py").write_text(REWARD_MODULE)
