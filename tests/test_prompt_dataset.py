@@ -156,6 +156,9 @@ def test_eval_split_and_eval_fraction(tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not both"):
         _module(tokenizer, tmp_path, "json", data_files={"train": str(train), "test": str(test)}, eval_split="test",
                 eval_fraction=0.2)
+    renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"question": r["prompt"], "gold": r["answer"]} for r in rows])
+    both = _module(tokenizer, tmp_path, renamed, columns={"question": "prompt", "gold": "answer"}, eval_fraction=0.3, seed=5)
+    assert set(both.val_set[TEXT_COLUMN]) == held_out  # a fraction is cut from the renamed rows
 
 
 

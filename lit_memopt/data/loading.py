@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 __all__ = ["BUILDERS", "require_datasets", "load_user_dataset", "rename_columns", "split_off_eval", "cache_file",
-           "hash_of", "source_signature"]
+           "hash_of", "source_signature", "load_train_and_eval"]
 
 # Builder names of `datasets.load_dataset` that read local files, and the file endings that pick them.
 BUILDERS = ("json", "parquet", "csv", "arrow")
@@ -193,3 +193,25 @@ def source_signature(path: str | None, data_files: Any, split: str) -> tuple:
             elif target.exists():
                 stats.append((str(target), target.stat().st_size, target.stat().st_mtime_ns))
     return (str(path), tuple(stats), split)
+
+
+def load_train_and_eval(path: str | None, data_files: Any, split: str, *, eval_split: str | None,
+                        eval_fraction: float | None, columns: Mapping[str, str] | None, seed: int,
+                        cache_dir: str | None = None, key: str = "data") -> tuple[Any, Any | None, tuple]:
+    """The renamed training rows, the validation rows (or ``None``) and what identifies them (for cache keys).
+
+    A validation split of its own is renamed like the training split and must have its columns; a fraction is
+    cut from the renamed training rows.
+    """
+    raw = rename_columns(load_user_dataset(path, data_files, split, cache_dir=cache_dir, key=key), columns, key)
+    train, evaluation = split_off_eval(raw, path=path, data_files=data_files, eval_split=eval_split,
+                                       eval_fraction=eval_fraction, seed=seed, cache_dir=cache_dir, key=key)
+    if eval_split:
+        evaluation = rename_columns(evaluation, columns, key)
+        missing = sorted(set(raw.column_names) - set(evaluation.column_names))
+        if missing:
+            raise ValueError(f"{key}.eval_split={eval_split!r} lacks the columns {missing} of the training split; "
+                             f"its columns: {', '.join(evaluation.column_names)}.")
+    signature = (source_signature(path, data_files, split), eval_split, eval_fraction, int(seed),
+                 dict(columns or {}))
+    return train, evaluation, signature

@@ -14,15 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
-from lit_memopt.data.loading import (
-    cache_file,
-    hash_of,
-    load_user_dataset,
-    rename_columns,
-    require_datasets,
-    source_signature,
-    split_off_eval,
-)
+from lit_memopt.data.loading import cache_file, hash_of, load_train_and_eval, require_datasets
 from lit_memopt.models.tokens import left_pad
 
 __all__ = ["PromptDatasetDataModule", "PromptCollate", "ANSWER_COLUMNS", "OVERLONG", "prompt_kind"]
@@ -206,26 +198,19 @@ class PromptDatasetDataModule(pl.LightningDataModule):
         self.num_proc, self.cache_dir = num_proc, cache_dir
 
         # Read (memory-mapped) and checked now, so that bad data stops the run before a model is built.
-        raw = rename_columns(load_user_dataset(path, data_files, split, cache_dir=cache_dir), columns)
-        self.columns_found = list(raw.column_names)
-        self.kind = self._check_format(raw)
-        self.answer_column = next((name for name in ANSWER_COLUMNS if name in raw.column_names), None)
+        train, raw_eval, signature = load_train_and_eval(path, data_files, split, eval_split=eval_split,
+                                                         eval_fraction=eval_fraction, columns=columns, seed=self.seed,
+                                                         cache_dir=cache_dir)
+        self.columns_found = list(train.column_names)
+        self.kind = self._check_format(train)
+        self.answer_column = next((name for name in ANSWER_COLUMNS if name in train.column_names), None)
         # Every column but the prompt and the answer (passed as `answer`) reaches reward functions by its name.
-        self.kwarg_columns = [name for name in raw.column_names if name not in ("prompt", "answer")]
+        self.kwarg_columns = [name for name in train.column_names if name not in ("prompt", "answer")]
         if require_answers:
             self.check_answers("data.require_answers=true")
-        self._check_alphabet(raw)
-        train, raw_eval = split_off_eval(raw, path=path, data_files=data_files, eval_split=eval_split,
-                                         eval_fraction=eval_fraction, seed=self.seed, cache_dir=cache_dir)
-        if raw_eval is not None:
-            raw_eval = rename_columns(raw_eval, columns)
-            missing = sorted(set(raw.column_names) - set(raw_eval.column_names))
-            if missing:
-                raise ValueError(f"data.eval_split={eval_split!r} lacks the columns {missing} of the training split; "
-                                 f"its columns: {', '.join(raw_eval.column_names)}.")
+        self._check_alphabet(train)
         self._raw = {"train": train, "eval": raw_eval}
-        self._key = hash_of(source_signature(path, data_files, split), eval_split, eval_fraction, self.seed, columns,
-                            tokenizer, self.kind, _LAYOUT_VERSION)
+        self._key = hash_of(signature, tokenizer, self.kind, _LAYOUT_VERSION)
         self.train_set: Any = None
         self.val_set: Any = None
         self.report: dict[str, dict[str, int]] = {}

@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lit_memopt.data.resumable import ResumableDataLoader
+
 TASKS = ("arithmetic", "copy", "mixed")
 
 
@@ -52,7 +54,7 @@ class SyntheticTextDataModule(pl.LightningDataModule):
         num_val: validation sequences.
         seq_len: tokens per sequence (padded or truncated).
         batch_size: sequences per loader batch.
-        seed: generator seed; the same seed gives the same texts.
+        seed: generator seed of the texts and of the training shuffle; the same seed gives the same texts and order.
         num_workers: DataLoader worker processes.
 
     Raises:
@@ -93,7 +95,10 @@ class SyntheticTextDataModule(pl.LightningDataModule):
         self.val_set = TokenizedTexts(texts[self.num_train :], self.tokenizer, self.seq_len)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers, drop_last=shuffle)
+        if shuffle:  # training: a resume goes on with the next batch of the same shuffle (ResumableDataLoader)
+            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
+                                       num_workers=self.num_workers, drop_last=True)
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

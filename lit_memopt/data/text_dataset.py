@@ -18,14 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
-from lit_memopt.data.loading import (
-    cache_file,
-    hash_of,
-    load_user_dataset,
-    rename_columns,
-    source_signature,
-    split_off_eval,
-)
+from lit_memopt.data.loading import cache_file, hash_of, load_train_and_eval
 
 __all__ = ["FORMATS", "TextDatasetDataModule", "detect_format", "segments_of_row", "tokenize_segments", "pack_rows",
            "SFTCollate"]
@@ -335,21 +328,17 @@ class TextDatasetDataModule(pl.LightningDataModule):
         self.loss_on, self.max_length, self.overlong, self.packing = loss_on, int(max_length), overlong, bool(packing)
         self.batch_size, self.seed, self.num_workers = int(batch_size), int(seed), int(num_workers)
         self.num_proc, self.cache_dir = num_proc, cache_dir
-        self._source = (path, data_files, split)
         # Read (memory-mapped) and checked now, so that bad data stops the run before a model is built.
-        raw = rename_columns(load_user_dataset(path, data_files, split, cache_dir=cache_dir), columns)
-        self.format = detect_format(raw.column_names)
-        if self.format != "text" and not _renders_chats(raw, tokenizer):
+        train, raw_eval, signature = load_train_and_eval(path, data_files, split, eval_split=eval_split,
+                                                         eval_fraction=eval_fraction, columns=columns, seed=self.seed,
+                                                         cache_dir=cache_dir)
+        self.format = detect_format(train.column_names)
+        if self.format != "text" and not _renders_chats(train, tokenizer):
             raise ValueError(f"data: the rows are conversations ({self.format} with message lists) but the tokenizer has "
                              "no chat template; use a checkpoint whose tokenizer has one, or set "
                              "model.tokenizer=/folder/with/a/chat_template.")
-        train, raw_eval = split_off_eval(raw, path=path, data_files=data_files, eval_split=eval_split,
-                                         eval_fraction=eval_fraction, seed=self.seed, cache_dir=cache_dir)
-        if eval_split:  # a split of its own, read as it is on disk (a fraction was cut from the renamed rows)
-            raw_eval = rename_columns(raw_eval, columns)
         self._raw = {"train": train, "eval": raw_eval}
-        self._key = hash_of(source_signature(path, data_files, split), eval_split, eval_fraction, self.seed, columns,
-                            tokenizer, self.format, loss_on, self.max_length, _LAYOUT_VERSION)
+        self._key = hash_of(signature, tokenizer, self.format, loss_on, self.max_length, _LAYOUT_VERSION)
         self.train_set: Any = None
         self.val_set: Any = None
         self.report: dict[str, Any] = {}
