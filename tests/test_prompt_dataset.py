@@ -472,3 +472,22 @@ def test_intuitor_on_chat_prompts_with_a_reward_fn(user_checkpoint, tmp_path: Pa
         assert len(call["completions"]) == 4 and call["prompts"][0] == call["prompts"][1]
         assert call["prompts"][0].endswith("<|im_start|>assistant\n")
         assert call["kwargs"]["answer"] == call["kwargs"]["solution"] and len(call["kwargs"]["answer"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_grade_logs_the_verifiers_accuracy_of_its_hard_tokens(user_checkpoint, tmp_path: Path) -> None:
+    """GRADE on a user's checkpoint and prompts: its reward stays the reward model's; val/accuracy is the checker's."""
+    run_dir = tmp_path / "run"
+    result = _run_cli(
+        ["fit", "recipe=grade", f"model.pretrained={user_checkpoint}", "data=prompt_dataset",
+         f"data.path={write_jsonl(tmp_path / 'p.jsonl', _rows(12))}", "data.eval_fraction=0.25", "data.batch_size=2",
+         "data.verifier=exact", f"data.cache_dir={tmp_path / 'cache'}", "module.max_new_tokens=4", "trainer.max_steps=2",
+         "trainer.log_every_n_steps=1", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
+         f"hydra.run.dir={run_dir}"],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    accuracy = [float(r["val/accuracy"]) for r in _metrics(run_dir) if r.get("val/accuracy")]
+    assert accuracy and all(0.0 <= a <= 1.0 for a in accuracy)
+    assert any(r.get("train/reward") for r in _metrics(run_dir))

@@ -139,7 +139,8 @@ class GradeModule(pl.LightningModule):
         out.loss.backward()
     """
 
-    summary_keys = ("train/reward", "train/kl", "val/reward", "val/reward_stderr", "val/kl")
+    summary_keys = ("train/reward", "train/kl", "val/reward", "val/reward_stderr", "val/kl",
+                    "val/accuracy", "val/accuracy_stderr")  # the last two: data with answers and a checker
 
     def __init__(
         self,
@@ -171,6 +172,7 @@ class GradeModule(pl.LightningModule):
         )
         self.save_hyperparameters(ignore=["model_config", "tokenizer", "reward_model"])
         self.val_reward = MeanAndStderr()  # over held-out prompts
+        self.val_accuracy = MeanAndStderr()  # the hard tokens' answers, where the data has answers and a checker
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.policy = model_config.build_model()
@@ -501,11 +503,28 @@ class GradeModule(pl.LightningModule):
         size = batch["input_ids"].shape[0]
         self.val_reward.update(out.reward)
         self.log("val/kl", out.kl.mean(), batch_size=size, sync_dist=True)
+        accuracy = self._accuracy(batch, out.tokens)
+        if accuracy is not None:
+            self.val_accuracy.update(accuracy)
         return out.loss
 
+    def _accuracy(self, batch: dict[str, Any], tokens: Tensor) -> Tensor | None:
+        """The data's checker on the decoded hard tokens, one score per prompt (``None`` without answers or checker).
+
+        Only logged: GRADE's reward is its reward model's, never the answers'.
+        """
+        checker = getattr(getattr(self._trainer, "datamodule", None), "checker", None) if self._trainer else None
+        answers = batch.get("answers")
+        if checker is None or answers is None or self.tokenizer is None:
+            return None
+        texts = self.tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
+        scores = [float(checker(text, answer)) if answer is not None else 0.0 for text, answer in zip(texts, answers)]
+        return torch.tensor(scores, dtype=torch.float32, device=tokens.device)
+
     def on_validation_epoch_end(self) -> None:
-        """``val/reward`` over every rank's held-out prompts, with its standard error over prompts."""
+        """``val/reward`` (and ``val/accuracy`` with answers) over every rank's held-out prompts, with standard errors."""
         self.val_reward.log_and_reset(self, "val/reward")
+        self.val_accuracy.log_and_reset(self, "val/accuracy")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
