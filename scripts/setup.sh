@@ -4,6 +4,7 @@
 # torch: a build already in the environment is kept (users bring their own CUDA build). Otherwise
 # TORCH_SPEC is installed first (default torch==2.13.0, which on the project's CPU machines is a
 # local CPU wheel), so that the package's torch range is already satisfied and pip pulls nothing more.
+# That range (pyproject.toml) is the one CI tests, torch 2.13.x: a build outside it is replaced by pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -35,8 +36,9 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
 fi
-echo "[setup] installing lit-memopt[test,data] (editable)"
-pip_install -e ".[test,data]"
+# The test extra brings every extra the suite exercises (recipes, data, sandbox, plot, tensorboard; pyproject.toml).
+echo "[setup] installing lit-memopt[test] (editable)"
+pip_install -e ".[test]"
 if [ "${WITH_BENCH:-0}" = 1 ]; then
   # The peers of benchmarks/peers.py (the `bench` extra), without their dependencies so that torch is
   # never replaced; then the small packages TRL's trainer utilities import. None of them asks for torch.

@@ -1,1 +1,7 @@
 """Synthetic, offline DataModules for the recipes (no downloads)."""
+
+from __future__ import annotations
+
+from lit_memopt._extras import require_extra
+
+require_extra("recipes", __name__)  # one line naming the extra, before any import of its packages

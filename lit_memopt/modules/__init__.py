@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from lit_memopt._extras import require_extra
 from lit_memopt._lazy import lazy_exports
+
+require_extra("recipes", __name__)  # one line naming the extra, before any import of its packages
 
 # name -> submodule (relative to this package). One method per file.
 _EXPORTS = {

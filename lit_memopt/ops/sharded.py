@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 __all__ = ["gather_if_sharded"]
@@ -17,12 +18,10 @@ __all__ = ["gather_if_sharded"]
 
 def gather_if_sharded(tensor: Optional[Tensor]) -> Optional[Tensor]:
     """``tensor`` unchanged, or, for a ``DTensor``, the full tensor whose gradient is averaged into the shard."""
-    if tensor is None:
-        return None
-    try:
-        from torch.distributed.tensor import DTensor, Partial
-    except ImportError:  # pragma: no cover - a torch without DTensor has no sharded weights either
+    if tensor is None or not torch.distributed.is_available():  # a torch built without distributed has no DTensor
         return tensor
+    from torch.distributed.tensor import DTensor, Partial  # public in every torch of the declared range
+
     if not isinstance(tensor, DTensor):
         return tensor
     # Every rank computed its own loss on its own data: the gradients are partial sums to average.

@@ -18,6 +18,8 @@ import sys
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+from lit_memopt._extras import MissingExtraError  # re-exported: raised here when math-verify is missing
+
 __all__ = ["VERIFIERS", "MissingExtraError", "final_answer", "exact_match", "math_verify_score", "MathVerifier",
            "make_verifier", "load_reward_fn", "call_reward_fn"]
 
@@ -26,10 +28,6 @@ INSTALL_HINT = "pip install 'lit-memopt[data]'"
 # The worker's imports (sympy, the LaTeX grammar) take a second or two; on a busy machine several. They are waited
 # for apart from the per-answer limit, which would otherwise time out the first answer of every (re)start.
 _STARTUP_TIMEOUT_S = 120.0
-
-
-class MissingExtraError(ImportError, ValueError):
-    """An optional package is not installed; a ``ValueError`` too, so the CLI prints it as one line."""
 
 
 # ----------------------------------------------------------------------------- exact

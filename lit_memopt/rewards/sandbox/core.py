@@ -223,7 +223,8 @@ class Sandbox:
             notes = self.isolation["notes"]
             raise RuntimeError("Sandbox(require=...): this machine does not grant " +
                                "; ".join(f"{m} ({notes.get(m, 'off')})" for m in missing) +
-                               ". Install bubblewrap and pyseccomp (scripts/setup.sh), run as root, or drop it from require.")
+                               ". Install bubblewrap and pyseccomp (pip install 'lit-memopt[sandbox]'; scripts/setup.sh), run as root, "
+                               "or drop it from require.")
         self._announce_isolation()
         self._setup_runtime()
 

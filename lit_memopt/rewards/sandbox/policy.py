@@ -49,8 +49,8 @@ def seccomp_bpf() -> tuple[bytes | None, str]:
     """The compiled filter as BPF bytes, or ``(None, why)`` when libseccomp or its bindings are missing."""
     try:
         import pyseccomp as sc
-    except ImportError as exc:  # pyseccomp is a dependency; a broken install is reported, not hidden
-        return None, f"pyseccomp not importable ({exc})"
+    except ImportError as exc:  # the 'sandbox' extra; without it the filter is off and the sandbox says so
+        return None, f"pyseccomp not importable ({exc}): pip install 'lit-memopt[sandbox]'"
     try:
         f = sc.SyscallFilter(defaction=sc.ALLOW)
         deny = sc.ERRNO(errno.EPERM)
