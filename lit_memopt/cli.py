@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import lit_memopt
+from lit_memopt._extras import require_extra
 
+require_extra("recipes", __name__, one_line_exit=True)  # without Hydra and the recipes: one line, no traceback
 PROG = "lit-memopt"
 HYDRA_COMMANDS = ("fit", "validate", "estimate")
 COMMAND_HELP = {
@@ -74,6 +76,9 @@ def register_recipes() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from lit_memopt.cli_checkpoint import register_resolvers
+
+    register_resolvers()  # ${world_size:...} in conf/trainer/fsdp2.yaml; here because every composition passes by
     store = ConfigStore.instance()
     for path in sorted(recipes_dir().glob("*.yaml")):
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
@@ -303,15 +308,16 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from lit_memopt._run_summary import RunSummary, print_summary
+    from lit_memopt.cli_checkpoint import check_world_size, checkpoint_callbacks, resolve_ckpt_path
 
-    pl.seed_everything(int(cfg.seed), workers=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    ckpt_path = cfg.get("ckpt_path")
-    if command == "validate" and not ckpt_path:
-        raise UsageError("validate needs a checkpoint: add ckpt_path=/path/to/last.ckpt")
-    if ckpt_path and not Path(str(ckpt_path)).exists():
-        # a file, or a directory for the sharded checkpoints of trainer=fsdp2
-        raise UsageError(f"ckpt_path={ckpt_path!r} is not a file (nor a sharded checkpoint directory); give the path of a .ckpt written by a fit run.")
+    if command == "validate" and not cfg.get("ckpt_path"):
+        raise UsageError("validate needs a checkpoint: add ckpt_path=/path/to/last.ckpt (or ckpt_path=last)")
+    check_world_size(cfg)
+    ckpt_path = resolve_ckpt_path(cfg, run_dir, command)
+    # built before the model: a bad `checkpoint:` setting is one line before anything heavy runs
+    checkpointing = checkpoint_callbacks(cfg, run_dir) if cfg.trainer.get("enable_checkpointing", True) else []
+    pl.seed_everything(int(cfg.seed), workers=True)
 
     run = instantiate_run(cfg)
     datamodule, module, callbacks = run.datamodule, run.module, run.callbacks
@@ -323,10 +329,7 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     set_cpu_threads(cfg, module)
     summary = RunSummary()
     callbacks.append(summary)
-    if cfg.trainer.get("enable_checkpointing", True):
-        callbacks.append(
-            pl.callbacks.ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=None)
-        )
+    callbacks += checkpointing  # the `checkpoint:` section's RunCheckpoint, and RandomState (the global generators)
     if cfg.trainer.get("enable_progress_bar", True):
         from lit_memopt._progress import StepAwareProgressBar
 

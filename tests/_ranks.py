@@ -1,9 +1,16 @@
-"""The multi-process tests' launcher: ranks spawned on a free port, under a deadline (a hang fails, never blocks CI)."""
+"""The multi-process tests' launchers: ranks spawned on a free port, or torchrun "machines" on 127.0.0.1, under a
+deadline (a hang fails, never blocks CI)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -35,3 +42,42 @@ def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: int
             if p.is_alive():
                 p.kill()
     return None
+
+
+def run_torchrun_nodes(args: list[str], *, nnodes: int, cwd: Path, timeout_s: float,
+                       env: dict[str, str] | None = None) -> list[tuple[int | None, str]]:
+    """Launch ``nnodes`` ``torchrun`` "machines" of one process each on 127.0.0.1 running ``python -m lit_memopt ARGS``.
+
+    Returns ``(exit code, output)`` per node; ``None`` for a node still running at ``timeout_s`` or after another node
+    failed, whose whole process group (torchrun and its worker) is then killed.
+    """
+    port = free_port()
+    base = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    nodes, logs = [], []
+    for rank in range(nnodes):
+        log = open(cwd / f"node{rank}.log", "w+")  # a file, not a pipe: a full pipe would block the node
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={rank}",
+                   "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "lit_memopt", *args]
+        nodes.append(subprocess.Popen(command, cwd=cwd, env=base, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        logs.append(log)
+    deadline = time.monotonic() + timeout_s
+    try:
+        # One node failing leaves the others waiting at a rendezvous or a collective: stop waiting at the first failure.
+        while time.monotonic() < deadline and any(n.poll() is None for n in nodes):
+            if any(n.poll() not in (None, 0) for n in nodes):
+                break
+            time.sleep(0.2)
+    finally:
+        codes = [node.poll() for node in nodes]
+        for node in nodes:
+            if node.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(node.pid, signal.SIGKILL)  # torchrun and its worker
+            node.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return list(zip(codes, outputs))
