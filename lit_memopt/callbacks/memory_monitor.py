@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.imports import module_available
 
 from lit_memopt.callbacks._memory_metrics import BatchSizeChange, MemoryMetrics, OOMEvent
 from lit_memopt.callbacks._rank_agreement import RankAgreement
@@ -427,9 +428,6 @@ class MemoryMonitor(Callback):
         return self._resolved_run_dir or self.output_dir or trainer.default_root_dir
 
     def _write_report(self, trainer: Trainer, per_rank: torch.Tensor, history: torch.Tensor) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
         directory = self._run_dir(trainer)
         os.makedirs(directory, exist_ok=True)
         world = per_rank.shape[0]
@@ -439,10 +437,8 @@ class MemoryMonitor(Callback):
             rank = int(per_rank[:, column].argmax())
             return float(per_rank[rank, column]), rank
 
-        table = Table(title=f"Memory summary ({self.metrics.device}, {world} rank(s), {what})")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        table.add_column("rank", justify="right")
+        title = f"Memory summary ({self.metrics.device}, {world} rank(s), {what})"
+        table = _ReportTable()
         summary: dict[str, Any] = {"device": self.metrics.device, "world_size": world, "measure": what}
         for column, phase in enumerate(PHASES + ("step",)):
             value, rank = worst(column)
@@ -477,9 +473,7 @@ class MemoryMonitor(Callback):
             batch_size_changes=[asdict(c) for c in self.metrics.batch_size_changes],
         )
 
-        buffer = io.StringIO()
-        Console(file=buffer, width=100, force_terminal=False, color_system=None).print(table)
-        text = buffer.getvalue()
+        text = table.render(title)
         paths = {
             "summary_txt": os.path.join(directory, "memory_summary.txt"),
             "summary_json": os.path.join(directory, "memory_summary.json"),
@@ -489,8 +483,12 @@ class MemoryMonitor(Callback):
             f.write(text)
         with open(paths["summary_json"], "w") as f:
             json.dump(summary, f, indent=2)
-        _plot_history(history, paths["plot"], title=f"Memory over steps ({self.metrics.device}, worst over ranks)",
-                      ylabel=f"MiB ({what})")
+        if module_available("matplotlib"):
+            _plot_history(history, paths["plot"], title=f"Memory over steps ({self.metrics.device}, worst over ranks)",
+                          ylabel=f"MiB ({what})")
+        else:  # the core install has no matplotlib: the table and the JSON are the report
+            paths.pop("plot")
+            rank_zero_warn("MemoryMonitor: no memory_plot.png (matplotlib is missing: pip install 'lit-memopt[plot]').")
         self.report_paths = paths
         rank_zero_info("\n" + text + f"Memory report written to {directory}")
 
@@ -501,6 +499,35 @@ class MemoryMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "metrics" in state_dict:
             self.metrics = MemoryMetrics.from_dict(state_dict["metrics"])
+
+
+class _ReportTable:
+    """The report's rows, drawn with rich when it is installed (the recipes extra), else as aligned plain text."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add_row(self, metric: str, value: str, rank: str) -> None:
+        self.rows.append((metric, value, rank))
+
+    def render(self, title: str) -> str:
+        if module_available("rich"):
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title=title)
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            table.add_column("rank", justify="right")
+            for row in self.rows:
+                table.add_row(*row)
+            buffer = io.StringIO()
+            Console(file=buffer, width=100, force_terminal=False, color_system=None).print(table)
+            return buffer.getvalue()
+        widths = [max(len(row[i]) for row in self.rows + [("metric", "value", "rank")]) for i in range(3)]
+        lines = [title, f"{'metric':<{widths[0]}}  {'value':>{widths[1]}}  {'rank':>{widths[2]}}"]
+        lines += [f"{m:<{widths[0]}}  {v:>{widths[1]}}  {r:>{widths[2]}}" for m, v, r in self.rows]
+        return "\n".join(lines) + "\n"
 
 
 def _batch_size(batch: Any) -> int:
