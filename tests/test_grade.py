@@ -261,3 +261,27 @@ def test_embedded_recipe_reward_rises(tmp_path: Path) -> None:
     for key in ("train/reward", "train/kl", "train/tau", "train/soft_token_entropy", "train/policy_entropy", "train/tokens_per_s"):
         assert key in logged, key
     assert float(logged["train/tau"]) < 2.0
+
+
+def test_a_local_reward_checkpoint_scores_the_users_policy(user_checkpoint, tmp_path) -> None:
+    """module.reward_model.pretrained=DIR: a user's sequence classifier (saved with save_pretrained) is the reward."""
+    import functools
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from lit_memopt.rewards.grade_reward import build_sequence_classifier
+
+    config = AutoConfig.from_pretrained(user_checkpoint, num_labels=2)
+    torch.manual_seed(3)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "reward")
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward")
+    policy = ModelConfig(name="user", pretrained=str(user_checkpoint))
+    module = GradeModule(policy, policy.build_tokenizer(), max_new_tokens=3, top_k=8, reward_label=1,
+                         reward_model=functools.partial(build_sequence_classifier, pretrained=str(tmp_path / "reward"),
+                                                        num_labels=2))
+    for name, value in saved.state_dict().items():
+        torch.testing.assert_close(module.reward_model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    assert not any(p.requires_grad for p in module.reward_model.parameters())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out, grads = run(module, ids, torch.ones_like(ids))
+    assert 0.0 <= float(out.reward[0]) <= 1.0 and grads  # the probability of label 1, and the policy learns from it
