@@ -269,7 +269,9 @@ def check_module_fits_strategy(cfg: Any, module: Any) -> None:
     target = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy or "")
     if not str(target).endswith("ModelParallelStrategy"):
         return
-    if type(module).configure_model is pl.LightningModule.configure_model:
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("configure_model", module, pl.LightningModule):
         raise UsageError(
             f"trainer=fsdp2 needs {type(module).__name__} to shard its model in configure_model(); add "
             "`def configure_model(self): lit_memopt.models.shard_for_fsdp2(self, self.model)` to the module "

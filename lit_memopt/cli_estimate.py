@@ -108,7 +108,7 @@ def with_fake_weights(model_config: Any) -> Any:
     Everything else the module builds (a small reward classifier GRADE trains at start, LoRA adapters)
     stays real: a step that mixes the two converts the real tensors to fake ones on use.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from lit_memopt._compat.torch import FakeTensorMode
 
     build_model = model_config.build_model
     mode = FakeTensorMode(allow_non_fake_inputs=True)

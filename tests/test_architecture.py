@@ -29,8 +29,8 @@ def _private_cross_package_imports() -> list[str]:
             if not isinstance(node, ast.ImportFrom) or not node.module or not node.module.startswith("lit_memopt."):
                 continue
             target_package = ".".join(node.module.split(".")[:2])
-            if target_package == own_package or (node.module.count(".") == 1 and node.module.split(".")[1].startswith("_")):
-                continue  # its own package, or a private module of the root package (shared by all, e.g. _lazy)
+            if target_package == own_package or node.module.split(".")[1].startswith("_"):
+                continue  # its own package, or a private module or package of the root (shared by all: _lazy, _compat)
             for alias in node.names:
                 private_module = any(p.startswith("_") and not p.startswith("__") for p in node.module.split(".")[1:])
                 if alias.name.startswith("_") or private_module:

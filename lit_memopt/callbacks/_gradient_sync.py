@@ -25,6 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_memopt._compat.distributed import (
+    drop_unsharded_gradients,
+    fsdp_comm_base_classes,
+    fsdp_comms,
+    fsdp_param_groups,
+    is_fsdp_root,
+    set_fsdp_comms,
+)
 from lit_memopt.callbacks._rank_agreement import RankAgreement
 
 __all__ = ["GradientSync", "SingleDeviceSync", "DDPSync", "FSDP2Sync", "select_gradient_sync", "all_reduce_gradients"]
@@ -120,12 +128,10 @@ class FSDP2Sync(GradientSync):
         if self._installed:
             return
         for fsdp_module in fsdp_modules(module):
-            groups = fsdp_module._get_fsdp_state()._fsdp_param_groups
-            # set_custom_* has no getter: read the comm in place to wrap it (a user's custom comm is kept inside).
-            originals = [(g, g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
+            # The comms installed now are wrapped, so a user's custom comm keeps running inside the guard.
+            originals = [(group, *fsdp_comms(group)) for group in fsdp_param_groups(fsdp_module)]
             for group, all_gather, reduce_scatter in originals:
-                group._all_gather_comm = _GuardedAllGather(all_gather, self)
-                group._reduce_scatter_comm = _GuardedReduceScatter(reduce_scatter, self)
+                set_fsdp_comms(group, _GuardedAllGather(all_gather, self), _GuardedReduceScatter(reduce_scatter, self))
             self._installed.extend(originals)
 
     @contextmanager
@@ -146,8 +152,7 @@ class FSDP2Sync(GradientSync):
 
     def detach(self) -> None:
         for group, all_gather, reduce_scatter in self._installed:
-            group._all_gather_comm = all_gather
-            group._reduce_scatter_comm = reduce_scatter
+            set_fsdp_comms(group, all_gather, reduce_scatter)
         self._installed.clear()
 
 
@@ -166,25 +171,13 @@ def reset_fsdp_after_failure(module: nn.Module) -> None:
     here so the retried micro-batch does not add the failed attempt's partial gradients.
     """
     for fsdp_module in fsdp_modules(module):
-        state = fsdp_module._get_fsdp_state()
-        if state._is_root:
+        if is_fsdp_root(fsdp_module):
             fsdp_module.reset_iter_state()
     for fsdp_module in fsdp_modules(module):
-        for group in fsdp_module._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                fsdp_param.unsharded_accumulated_grad = None
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
+        drop_unsharded_gradients(fsdp_module)
 
 
-def _comm_base_classes() -> tuple[type, type]:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-
-    return AllGather, ReduceScatter
-
-
-_AllGather, _ReduceScatter = _comm_base_classes()
+_AllGather, _ReduceScatter = fsdp_comm_base_classes()
 
 
 class _GuardedAllGather(_AllGather):

@@ -103,9 +103,10 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
 def slice_batch(batch: Any, start: int, end: int, batch_size: int) -> Any:
     """Samples ``start:end`` of ``batch``, keeping its structure.
 
-    Not ``torch.utils._pytree.tree_map``: a list of ``batch_size`` non-tensor items is one leaf to
-    slice here, where pytree would descend into it, and dataclasses and ``BatchEncoding`` are not
-    registered pytree nodes.
+    Neither torch's pytree ``tree_map`` nor Lightning's ``apply_to_collection``: a list of ``batch_size``
+    non-tensor items is one leaf to slice here, where both would descend into it; dataclasses and
+    ``BatchEncoding`` are not registered pytree nodes, and ``apply_to_collection`` deep-copies dataclasses
+    and refuses frozen ones.
 
     Tensors whose first dimension is ``batch_size`` are sliced (views, no copy); lists/tuples of
     non-tensor items of length ``batch_size`` (prompts, ids, ragged token lists) are sliced; mappings

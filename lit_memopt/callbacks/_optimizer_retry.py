@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor import DTensor
 
+from lit_memopt._compat.torch import is_counted_by_lr_scheduler, mark_counted_by_lr_scheduler, tensor_version
 from lit_memopt.callbacks._rank_agreement import ERROR, OK, OOM, RankAgreement
 from lit_memopt.memory.oom import is_oom_error
 
@@ -75,10 +77,10 @@ class OptimizerStepRetry:
             self._step_with_retry(optimizer, inner, kwargs)
             return loss
 
-        if hasattr(inner, "_wrapped_by_lr_sched"):
+        if is_counted_by_lr_scheduler(inner):
             # An LR scheduler's counting wrapper is still called inside: keep its mark, or the scheduler
             # warns that optimizer.step() was overridden after it was created.
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            mark_counted_by_lr_scheduler(step)
         return step
 
     def _step_with_retry(self, optimizer: torch.optim.Optimizer, inner: Callable[..., Any], kwargs: dict) -> None:
@@ -135,8 +137,12 @@ def oom_message(error: BaseException) -> str:
 
 
 def _version(t: torch.Tensor) -> int:
-    # A DTensor's in-place updates land in its local shard: that is the counter that moves.
-    return getattr(t, "_local_tensor", t)._version
+    # A DTensor's in-place updates move its own counter (torch 2.13) or its local shard's (older releases): the sum
+    # of both moves when either does. Without grad, ``to_local`` is the shard or a view of it (views share the counter).
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return tensor_version(t) + tensor_version(t.to_local())
+    return tensor_version(t)
 
 
 class OptimizerSnapshot:

@@ -33,11 +33,11 @@ class PeerFailure(RuntimeError):
 
 
 class RankAgreement:
-    """Element-wise MAX / MIN over all ranks of a few numbers, and a gather: how the callbacks decide together.
+    """Element-wise MAX / MIN over all ranks of a few numbers: how the callbacks decide together.
 
-    The one way the pack's callbacks (``OOMRecovery``, ``EmptyCacheScheduler``, ``MemoryMonitor``) talk
-    across ranks. It runs on the Lightning strategy's own collectives (``strategy.reduce`` with
-    ``"max"``, ``strategy.all_gather``), on its root device; a single process returns its input.
+    How ``OOMRecovery`` and ``EmptyCacheScheduler`` agree across ranks (``MemoryMonitor`` only reports, and
+    gathers its values by name with ``LightningModule.all_gather``). It runs on the Lightning strategy's own
+    collectives (``strategy.reduce`` with ``"max"``), on its root device; a single process returns its input.
     Every call is one collective of the same shape; callers must make the same calls in the same order
     on every rank.
 
@@ -71,15 +71,6 @@ class RankAgreement:
         if not self.enabled:
             return values
         return self.strategy.reduce(values.to(self.device), reduce_op="max").cpu()
-
-    def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """``[world, ...]``: ``values`` from every rank, on the CPU (``[1, ...]`` in a single process)."""
-        if not self.enabled:
-            return values.unsqueeze(0)
-        gathered = self.strategy.all_gather(values.to(self.device))
-        if gathered.dim() == values.dim():  # some strategies return no leading world dimension for one rank
-            gathered = gathered.unsqueeze(0)
-        return gathered.cpu()
 
     def status(self, status: int, phase_code: int) -> tuple[int, int]:
         """Agree on ``(status, phase)``: only a failing rank names its phase, so MAX carries it to all ranks."""

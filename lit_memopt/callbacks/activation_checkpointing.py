@@ -9,16 +9,20 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+
+from lit_memopt._compat.distributed import (
+    CHECKPOINT_WRAPPED_MODULE,
     ActivationWrapper,
     CheckpointImpl,
     apply_activation_checkpointing,
     checkpoint_wrapper,
+    wrapped_module,
 )
+from lit_memopt._compat.lightning import callback_state_key
 
 __all__ = ["ActivationCheckpointing"]
 
-_WRAPPED_PREFIX = "._checkpoint_wrapped_module"
+_WRAPPED_PREFIX = "." + CHECKPOINT_WRAPPED_MODULE
 
 
 class _SaveOnCpuWrapper(ActivationWrapper):
@@ -35,7 +39,7 @@ class _SaveOnCpuWrapper(ActivationWrapper):
 
     def forward(self, *args, **kwargs):
         with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
-            return self._checkpoint_wrapped_module(*args, **kwargs)
+            return wrapped_module(self)(*args, **kwargs)
 
 
 def _clean_name(name: str) -> str:
@@ -126,8 +130,8 @@ class ActivationCheckpointing(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
-            layer_classes=self.layer_classes, name_pattern=self.name_pattern, every_k_layers=self.every_k_layers
+        return callback_state_key(
+            self, layer_classes=self.layer_classes, name_pattern=self.name_pattern, every_k_layers=self.every_k_layers
         )
 
     # --- selection --------------------------------------------------------------------------------

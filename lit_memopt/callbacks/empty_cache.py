@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_memopt._compat.lightning import callback_state_key
 from lit_memopt.memory.stats import memory_snapshot
 
 __all__ = ["EmptyCacheScheduler"]
@@ -122,7 +123,8 @@ class EmptyCacheScheduler(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
+        return callback_state_key(
+            self,
             every_n_steps=self.every_n_steps,
             after_backward=self.after_backward,
             around_validation=self.around_validation,

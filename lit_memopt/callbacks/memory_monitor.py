@@ -15,8 +15,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.imports import module_available
 
+from lit_memopt._compat.torch import dump_cuda_memory_snapshot, start_cuda_memory_history, stop_cuda_memory_history
 from lit_memopt.callbacks._memory_metrics import BatchSizeChange, MemoryMetrics, OOMEvent
-from lit_memopt.callbacks._rank_agreement import RankAgreement
 from lit_memopt.memory.stats import (
     MemorySnapshot,
     cpu_peak_is_resettable,
@@ -33,7 +33,7 @@ MIB = 1024**2
 PHASES = ("forward", "backward", "optimizer")
 PRESSURE_LEVELS = ("ok", "warning", "critical")
 
-# The logged keys, in the order of the gathered tensor. Every logged row has all of them.
+# The logged keys (``memory/<name>``), in the order they are logged and gathered. Every logged row has all of them.
 _STEP_FIELDS = (
     "forward_peak_mib",
     "backward_peak_mib",
@@ -79,8 +79,8 @@ class MemoryMonitor(Callback):
     ``memory/fragmentation``, ``memory/used_fraction`` (of device memory, or of system RAM on CPU,
     used by anyone), ``memory/pressure`` (0 ok, 1 warning, 2 critical), ``memory/num_alloc_retries``,
     ``memory/oom_events`` and ``memory/peak_rank``. Under a distributed strategy each value is
-    the worst over ranks (maximum; minimum for the efficiency) gathered with the strategy's
-    ``all_gather``, which every rank issues at the same steps, and ``memory/peak_rank`` is the
+    the worst over ranks (maximum; minimum for the efficiency) gathered by name with
+    ``LightningModule.all_gather``, which every rank issues at the same steps, and ``memory/peak_rank`` is the
     rank with the highest step peak.
 
     At the end of fit it writes, in the run directory (``trainer.log_dir`` or
@@ -229,7 +229,7 @@ class MemoryMonitor(Callback):
         self._resolved_run_dir = self.output_dir or trainer.log_dir or trainer.default_root_dir
         if self._device.type == "cuda" and (self.snapshot_on_oom or self.snapshot_at_step):
             try:
-                torch.cuda.memory._record_memory_history(max_entries=self.max_snapshot_entries)
+                start_cuda_memory_history(self.max_snapshot_entries)
                 self._recording_history = True
             except Exception as error:  # private API: say so rather than fail the run
                 rank_zero_warn(f"MemoryMonitor: cannot record the CUDA allocator history ({error}); no snapshots.")
@@ -237,7 +237,7 @@ class MemoryMonitor(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._recording_history:
             try:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                stop_cuda_memory_history()
             except Exception:  # pragma: no cover - best effort on shutdown
                 pass
             self._recording_history = False
@@ -350,18 +350,23 @@ class MemoryMonitor(Callback):
         return trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
 
     # --- distributed aggregation and logging ------------------------------------------------------
-    def _gather(self, trainer: Trainer, values: torch.Tensor) -> torch.Tensor:
-        """``[world, ...]`` stack of ``values`` from every rank (all ranks must call this at the same point)."""
-        return RankAgreement.for_trainer(trainer).gather(values)
+    @staticmethod
+    def _gather(trainer: Trainer, values: dict[str, float | torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's ``values`` by name, ``{name: [world, ...]}`` on the CPU; all ranks call it at the same point.
+
+        A dict through ``LightningModule.all_gather`` (one collective per name, in the dict's order on every rank):
+        each value is read back by its name, so adding or reordering fields cannot shift one onto another's label.
+        """
+        local = {name: torch.as_tensor(value, dtype=torch.float64) for name, value in values.items()}
+        gathered = trainer.lightning_module.all_gather(local)
+        # one process: Lightning returns the values without the leading world dimension
+        return {name: gathered[name].reshape(trainer.world_size, *t.shape).cpu() for name, t in local.items()}
 
     def _log(self, trainer: Trainer, values: dict[str, float], step: int) -> None:
-        local = torch.tensor([values[name] for name in _STEP_FIELDS], dtype=torch.float64)
-        gathered = self._gather(trainer, local)  # [world, fields]
-        worst = gathered.max(dim=0).values
-        efficiency_index = _STEP_FIELDS.index("efficiency")
-        worst[efficiency_index] = gathered[:, efficiency_index].min()
-        peak_rank = int(gathered[:, _STEP_FIELDS.index("step_peak_mib")].argmax())
-        metrics = {f"memory/{name}": float(worst[i]) for i, name in enumerate(_STEP_FIELDS)}
+        gathered = self._gather(trainer, {name: values[name] for name in _STEP_FIELDS})
+        metrics = {f"memory/{name}": float(per_rank.max()) for name, per_rank in gathered.items()}
+        metrics["memory/efficiency"] = float(gathered["efficiency"].min())
+        peak_rank = int(gathered["step_peak_mib"].argmax())
         metrics["memory/peak_rank"] = float(peak_rank)
         self.last_logged = metrics
         if trainer.is_global_zero:
@@ -396,7 +401,7 @@ class MemoryMonitor(Callback):
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"memory_snapshot_{tag}_rank{trainer.global_rank}.pickle")
         try:
-            torch.cuda.memory._dump_snapshot(path)
+            dump_cuda_memory_snapshot(path)
         except Exception as error:  # private API: report, never fail the run over a diagnostic
             rank_zero_warn(f"MemoryMonitor: could not write the allocator snapshot {path}: {error}")
             return None
@@ -407,57 +412,70 @@ class MemoryMonitor(Callback):
         if not self.write_report:
             return
         m = self.metrics
-        local = torch.tensor(
-            [m.peak_forward_bytes, m.peak_backward_bytes, m.peak_optimizer_bytes, m.peak_bytes,
-             m.average_peak_bytes, m.average_allocated_bytes, m.average_reserved_bytes, m.efficiency,
-             float(len(m.oom_events)), float(m.samples), m.train_seconds, float(m.steps),
-             float(len(self._history)), m.grad_accum_ratio, float(len(m.batch_size_changes))],
-            dtype=torch.float64,
-        )
-        per_rank = self._gather(trainer, local)
+        per_rank = self._gather(trainer, {
+            "peak_forward_bytes": m.peak_forward_bytes,
+            "peak_backward_bytes": m.peak_backward_bytes,
+            "peak_optimizer_bytes": m.peak_optimizer_bytes,
+            "peak_step_bytes": m.peak_bytes,
+            "average_step_peak_bytes": m.average_peak_bytes,
+            "average_allocated_bytes": m.average_allocated_bytes,
+            "average_reserved_bytes": m.average_reserved_bytes,
+            "efficiency": m.efficiency,
+            "oom_events": float(len(m.oom_events)),
+            "samples": float(m.samples),
+            "train_seconds": m.train_seconds,
+            "optimizer_steps": float(m.steps),
+            "history_length": float(len(self._history)),
+            "grad_accum_ratio": m.grad_accum_ratio,
+            "batch_size_changes": float(len(m.batch_size_changes)),
+        })
         # Pad the histories to one length so every rank sends the same shape.
-        length = int(per_rank[:, 12].max())
+        length = int(per_rank["history_length"].max())
         history = torch.zeros(length, len(_HISTORY_FIELDS), dtype=torch.float64)
         if self._history:
             history[: len(self._history)] = torch.tensor(self._history[:length], dtype=torch.float64)
-        histories = self._gather(trainer, history)
+        histories = self._gather(trainer, {name: history[:, i].contiguous() for i, name in enumerate(_HISTORY_FIELDS)})
         if trainer.is_global_zero:
-            self._write_report(trainer, per_rank, histories.max(dim=0).values)
+            self._write_report(trainer, per_rank, {name: h.max(dim=0).values for name, h in histories.items()})
 
     def _run_dir(self, trainer: Trainer) -> str:
         return self._resolved_run_dir or self.output_dir or trainer.default_root_dir
 
-    def _write_report(self, trainer: Trainer, per_rank: torch.Tensor, history: torch.Tensor) -> None:
+    def _write_report(self, trainer: Trainer, per_rank: dict[str, torch.Tensor],
+                      history: dict[str, torch.Tensor]) -> None:
+        """The report from the gathered values (``{name: [world]}``) and the worst ``history`` of each field."""
         directory = self._run_dir(trainer)
         os.makedirs(directory, exist_ok=True)
-        world = per_rank.shape[0]
+        world = per_rank["efficiency"].shape[0]
         what = "allocated" if self._device.type == "cuda" else "RSS"
 
-        def worst(column: int) -> tuple[float, int]:
-            rank = int(per_rank[:, column].argmax())
-            return float(per_rank[rank, column]), rank
+        def worst(name: str) -> tuple[float, int]:
+            rank = int(per_rank[name].argmax())
+            return float(per_rank[name][rank]), rank
 
         title = f"Memory summary ({self.metrics.device}, {world} rank(s), {what})"
         table = _ReportTable()
         summary: dict[str, Any] = {"device": self.metrics.device, "world_size": world, "measure": what}
-        for column, phase in enumerate(PHASES + ("step",)):
-            value, rank = worst(column)
+        for phase in PHASES + ("step",):
+            value, rank = worst(f"peak_{phase}_bytes")
             table.add_row(f"peak {phase}", format_bytes(value), str(rank))
             summary[f"peak_{phase}_bytes"] = value
             summary[f"peak_{phase}_rank"] = rank
-        for column, name in ((4, "average step peak"), (5, "average allocated"), (6, "average reserved")):
-            value, rank = worst(column)
-            table.add_row(name, format_bytes(value), str(rank))
-            summary[name.replace(" ", "_") + "_bytes"] = value
-        efficiency = float(per_rank[:, 7].min())
-        oom_events = int(per_rank[:, 8].sum())
-        samples = float(per_rank[:, 9].sum())
-        seconds = float(per_rank[:, 10].max())
-        steps = int(per_rank[:, 11].max())
+        for label in ("average step peak", "average allocated", "average reserved"):
+            key = label.replace(" ", "_") + "_bytes"
+            value, rank = worst(key)
+            table.add_row(label, format_bytes(value), str(rank))
+            summary[key] = value
+        efficiency = float(per_rank["efficiency"].min())
+        oom_events = int(per_rank["oom_events"].sum())
+        samples = float(per_rank["samples"].sum())
+        seconds = float(per_rank["train_seconds"].max())
+        steps = int(per_rank["optimizer_steps"].max())
+        grad_accum_ratio = float(per_rank["grad_accum_ratio"].max())
         table.add_row("efficiency (allocated/reserved)", f"{efficiency:.3f}", "min")
         table.add_row("OOM events", str(oom_events), "sum")
-        table.add_row("batch-size changes", str(int(per_rank[:, 14].max())), "max")
-        table.add_row("grad-accumulation ratio", f"{float(per_rank[:, 13].max()):.2f}", "")
+        table.add_row("batch-size changes", str(int(per_rank["batch_size_changes"].max())), "max")
+        table.add_row("grad-accumulation ratio", f"{grad_accum_ratio:.2f}", "")
         table.add_row("optimizer steps", str(steps), "")
         table.add_row("throughput", f"{steps / seconds if seconds else 0.0:.2f} steps/s", "")
         table.add_row("", f"{samples / seconds if seconds else 0.0:.1f} samples/s", "all ranks")
@@ -465,7 +483,7 @@ class MemoryMonitor(Callback):
             efficiency=efficiency,
             oom_events=oom_events,
             optimizer_steps=steps,
-            grad_accum_ratio=float(per_rank[:, 13].max()),
+            grad_accum_ratio=grad_accum_ratio,
             steps_per_second=steps / seconds if seconds else 0.0,
             samples_per_second=samples / seconds if seconds else 0.0,
             device_total_bytes=self.metrics.device_total_bytes,
@@ -540,7 +558,7 @@ def _batch_size(batch: Any) -> int:
         return 1
 
 
-def _plot_history(history: torch.Tensor, path: str, *, title: str, ylabel: str) -> None:
+def _plot_history(history: dict[str, torch.Tensor], path: str, *, title: str, ylabel: str) -> None:
     # An explicit Agg canvas: no pyplot, so the user's matplotlib backend is left alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -548,9 +566,9 @@ def _plot_history(history: torch.Tensor, path: str, *, title: str, ylabel: str) 
     fig = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    steps = list(range(history.shape[0]))
-    for column, name in enumerate(_HISTORY_FIELDS):
-        series = history[:, column].tolist()
+    steps = list(range(len(history[_HISTORY_FIELDS[0]])))
+    for name in _HISTORY_FIELDS:
+        series = history[name].tolist()
         if any(not math.isclose(v, 0.0) for v in series):
             ax.plot(steps, series, label=name.replace("_mib", "").replace("_", " "),
                     marker="." if len(steps) < 50 else None)

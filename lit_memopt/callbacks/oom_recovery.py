@@ -18,6 +18,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_memopt._compat.lightning import attached_trainer, should_accumulate
+from lit_memopt._compat.torch import reset_grad_scaler_step
 from lit_memopt.callbacks._gradient_sync import GradientSync, SingleDeviceSync, select_gradient_sync
 from lit_memopt.callbacks._log_replay import LogReplay
 from lit_memopt.callbacks._micro_batch_loop import (
@@ -378,7 +380,8 @@ class OOMRecovery(Callback):
                 opt.step()
                 self.log("train/loss", loss)
         """
-        callback = OOMRecovery.find(module.trainer) if module._trainer is not None else None
+        trainer = attached_trainer(module)
+        callback = OOMRecovery.find(trainer) if trainer is not None else None
         if callback is None or callback._module is not module:
             loss = step_fn(batch)
             if loss is not None:
@@ -547,7 +550,7 @@ class OOMRecovery(Callback):
             self._add_grads(params, new_grads, average=self._sync.averages_after_step, device=module.device)
         elif attempt.loss is not None:
             self._pending_grads = new_grads
-            self._pending_sync = self._sync.averages_after_step and not _should_accumulate(trainer)
+            self._pending_sync = self._sync.averages_after_step and not should_accumulate(trainer)
         else:
             # Every micro-batch returned None: Lightning skips backward, so there is nothing to hand over.
             self._pending_grads = None
@@ -569,13 +572,9 @@ class OOMRecovery(Callback):
             p.grad = None
         self._sync.after_failed_attempt(module)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and hasattr(scaler, "_per_optimizer_states"):
+        if scaler is not None:
             # No unscale_ has happened in this step yet; start the step's scaler bookkeeping afresh.
-            from collections import defaultdict
-
-            from torch.amp.grad_scaler import _refresh_per_optimizer_state
-
-            scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            reset_grad_scaler_step(scaler)
         empty_cache()
 
     # ------------------------------------------------------------------ events
@@ -611,13 +610,6 @@ class OOMRecovery(Callback):
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _should_accumulate(trainer: Trainer) -> bool:
-    try:
-        return bool(trainer.fit_loop._should_accumulate())
-    except AttributeError:  # pragma: no cover - older/newer loop internals: sync every batch (still exact)
-        return False
-
-
 def _memory_monitor(trainer: Trainer | None) -> Any:
     """The MemoryMonitor of this run, if any."""
     if trainer is None:

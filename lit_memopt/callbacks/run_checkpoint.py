@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_memopt import _compat
+from lit_memopt._compat.lightning import record_checkpoint_written, save_checkpoint_now, set_checkpoint_triggers
 
 __all__ = ["RunCheckpoint", "CHECKPOINT_FILENAME", "TEMPORARY_SUFFIX"]
 
@@ -74,8 +74,8 @@ class RunCheckpoint(ModelCheckpoint):
                          auto_insert_metric_name=False, save_weights_only=save_weights_only,
                          every_n_train_steps=every_n_steps, save_on_train_epoch_end=False, enable_version_counter=False)
         interval = timedelta(minutes=float(every_n_minutes)) if every_n_minutes is not None else None
-        _compat.set_checkpoint_triggers(self, every_n_train_steps=every_n_steps, train_time_interval=interval,
-                                        every_n_epochs=1 if on_validation else 0)
+        set_checkpoint_triggers(self, every_n_train_steps=every_n_steps, train_time_interval=interval,
+                                every_n_epochs=1 if on_validation else 0)
         self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
         self.on_validation = bool(on_validation)
         self.save_on_signals = tuple(str(name).upper() for name in save_on_signals)
@@ -103,7 +103,7 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._uninstall_handlers()
         if trainer.global_step > self._start_step:  # the final weights, unless this step is saved or nothing trained
-            _compat.save_checkpoint_now(self, trainer)
+            save_checkpoint_now(self, trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._uninstall_handlers()
@@ -113,7 +113,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._uninstall_handlers()
 
     # ------------------------------------------------------------------ atomic writes
-    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:  # noqa: D401 - _compat.MODEL_CHECKPOINT_WRITE_HOOK
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:  # noqa: D401 - the compat MODEL_CHECKPOINT_WRITE_HOOK
         """Write ``filepath + '.tmp'`` on every rank, then rename it to ``filepath`` on rank zero."""
         temporary = filepath + TEMPORARY_SUFFIX
         if trainer.is_global_zero:
@@ -123,7 +123,7 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             publish(temporary, filepath)
         trainer.strategy.barrier("RunCheckpoint.publish")
-        _compat.record_checkpoint_written(self, trainer, filepath)
+        record_checkpoint_written(self, trainer, filepath)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
@@ -147,7 +147,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     def _stop_after_signal(self, trainer: Trainer) -> None:
         self.stopped_by_signal = self._received or "a signal on another rank"
-        _compat.save_checkpoint_now(self, trainer)
+        save_checkpoint_now(self, trainer)
         trainer.should_stop = True
         self._uninstall_handlers()  # a second signal now gets the default action (e.g. SIGTERM ends the process)
         rank_zero_info(f"RunCheckpoint: {self.stopped_by_signal} received; saved {self.last_model_path} at step "

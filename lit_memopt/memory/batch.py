@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from typing import Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from lit_memopt._compat.torch import is_fake, tree_flatten
 
 __all__ = ["batch_geometry", "resize_batch", "to_fake", "batch_tensors"]
 
@@ -88,8 +89,6 @@ def resize_batch(batch: Any, batch_size: int | None = None, seq_len: int | None 
 
 
 def to_fake(batch: Any, mode: Any) -> Any:
-    from torch._subclasses.fake_tensor import is_fake
-
     def visit(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return obj if is_fake(obj) else mode.from_tensor(obj)

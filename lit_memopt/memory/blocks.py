@@ -49,7 +49,7 @@ def _block_lists(module: torch.nn.Module, built: int) -> list[tuple[torch.nn.Mod
     """
     found = []
     for owner in module.modules():
-        layers = owner._modules.get("layers")
+        layers = dict(owner.named_children()).get("layers")
         if isinstance(layers, torch.nn.ModuleList) and len(layers) == built:
             found.append((owner, "layers", layers))
     return found
@@ -76,7 +76,7 @@ def truncated_blocks(module: torch.nn.Module, keep: int, built: int) -> Iterator
             configs[id(config)] = (config, {k: getattr(config, k) for k in ("num_hidden_layers", "layer_types") if hasattr(config, k)})
     try:
         for owner, name, layers in lists:
-            owner._modules[name] = torch.nn.ModuleList(list(layers)[:keep])
+            setattr(owner, name, torch.nn.ModuleList(list(layers)[:keep]))
         for config, values in configs.values():
             config.num_hidden_layers = min(keep, values["num_hidden_layers"])
             if isinstance(values.get("layer_types"), list):
@@ -84,7 +84,7 @@ def truncated_blocks(module: torch.nn.Module, keep: int, built: int) -> Iterator
         yield module
     finally:
         for owner, name, layers in saved_lists:
-            owner._modules[name] = layers
+            setattr(owner, name, layers)
         for config, values in configs.values():
             for key, value in values.items():
                 setattr(config, key, value)

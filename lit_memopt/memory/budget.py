@@ -11,9 +11,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
+from lit_memopt._compat.torch import TorchDispatchMode, is_traceable_wrapper_subclass, storage_key, tree_flatten
 from lit_memopt.memory.units import format_bytes
 
 __all__ = ["MemoryBudget", "memory_budget", "storage_bytes"]
@@ -64,7 +63,7 @@ def storage_bytes(*objs: Any) -> int:
     def visit(t: torch.Tensor) -> None:
         for st in _storages(t):
             if st.device.type != "meta":
-                seen[st._cdata] = _storage_cost(st)
+                seen[storage_key(st)] = _storage_cost(st)
 
     def walk(obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
@@ -202,7 +201,7 @@ class MemoryBudget(TorchDispatchMode):
                 self._tracked -= entry[1]
 
     def _register(self, st: torch.UntypedStorage, cost: int) -> None:
-        key = st._cdata
+        key = storage_key(st)
         ref = weakref.ref(st, lambda r, k=key: self._on_free(k, r))
         self._live[key] = (ref, cost)
         self._tracked += cost
@@ -220,7 +219,7 @@ class MemoryBudget(TorchDispatchMode):
                 for st in _storages(t):
                     if not self._counts(st):
                         continue
-                    key = st._cdata
+                    key = storage_key(st)
                     entry = self._live.get(key)
                     if entry is not None:
                         cost = _storage_cost(st)
@@ -231,7 +230,7 @@ class MemoryBudget(TorchDispatchMode):
                         continue
                     if input_keys is None:
                         input_keys = {
-                            s._cdata
+                            storage_key(s)
                             for a in tree_flatten((args, kwargs))[0]
                             if isinstance(a, torch.Tensor)
                             for s in _storages(a)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lit_memopt._compat.torch import FakeTensorMode
 from lit_memopt.memory.tracker import StepTracker
 from lit_memopt.memory.tracker import snapshot_categories as _categories
 from lit_memopt.memory.tracker import snapshot_total as _total

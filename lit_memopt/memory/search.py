@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from lit_memopt._compat.lightning import attached_trainer
+from lit_memopt._compat.torch import FakeTensorMode
 from lit_memopt.memory.batch import batch_geometry, resize_batch
 from lit_memopt.memory.step import estimate_peak
 
@@ -179,11 +181,9 @@ def initial_micro_batch_from_estimate(
 
 def _fake_copy(pl_module: Any, trainer: Any) -> Any:
     """A deep copy of ``pl_module`` whose parameters and buffers are fake: same shapes, dtypes, devices; no memory."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict[int, Any] = {}
-    for shared in (trainer, getattr(pl_module, "_trainer", None), getattr(pl_module, "tokenizer", None)):
+    for shared in (trainer, attached_trainer(pl_module), getattr(pl_module, "tokenizer", None)):
         if shared is not None:
             memo[id(shared)] = shared
     # Pre-filled copies: deepcopy then never touches the real storages (tied weights stay tied).

@@ -18,6 +18,7 @@ import torch
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from lit_memopt._compat.torch import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, storage_key
 from lit_memopt.memory.batch import batch_geometry, batch_tensors, resize_batch, to_fake
 from lit_memopt.memory.units import format_bytes
 from lit_memopt.memory.fake import fake_mode
@@ -122,8 +123,6 @@ class EstimateError(ValueError):
 
 
 def _fake_mode_of(module: torch.nn.Module) -> Any | None:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     for t in list(module.parameters()) + list(module.buffers()):
         if isinstance(t, FakeTensor):
             return t.fake_mode
@@ -359,8 +358,6 @@ def estimate_peak(
         from lit_memopt.memory.worst_case import WorstCaseValues
 
         values = WorstCaseValues(worst_case_filler)
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
     with context:
         if mode is not None:
             real_batch, batch = batch, to_fake(batch, mode)
@@ -458,7 +455,7 @@ def _optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> int:
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     st = value.untyped_storage()
-                    seen[id(st) if not hasattr(st, "_cdata") else st._cdata] = st.nbytes()
+                    seen[storage_key(st)] = st.nbytes()
     return sum(seen.values())
 
 

@@ -14,15 +14,15 @@ from dataclasses import dataclass, asdict
 from typing import Any
 
 import torch
-from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+
+from lit_memopt._compat.mem_tracker import MemRefType, MemTrackerBase, ModState, UpdateType, wait_tensor_op
+from lit_memopt._compat.torch import active_fake_mode, tree_leaves
 
 __all__ = ["StepTracker", "ModuleMemory", "snapshot_total", "snapshot_categories", "module_rows"]
 
 _DEVICE_QUERY = torch.ops.prim.device.default
-_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_WAIT_TENSOR = wait_tensor_op()
 
 
 @dataclass
@@ -67,7 +67,7 @@ def snapshot_categories(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return out
 
 
-class StepTracker(MemTracker):
+class StepTracker(MemTrackerBase):
     """``MemTracker`` that knows the step's phases, with per-op cost independent of model size.
 
     The stock tracker walks every module it has ever seen on every op to update module peaks; a
@@ -97,40 +97,40 @@ class StepTracker(MemTracker):
         # The fake mode the tracker is entered in: only its ops count (DTensor's shape propagation runs
         # under a nested one), and under fake tensors seeded draws lose their generator (see below).
         # torch >= 2.12's MemTracker records this itself; older ones (2.11) do not, so it is kept here.
-        if self._depth == 0:
+        if self.depth == 0:
             self._entry_fake_mode = active_fake_mode()
         super().__enter__()
         return self
 
     # ------------------------------------------------------------------ allocation log
-    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None) -> None:
+    def on_memory_update(self, u_type: Any, winfo: Any, old_mem_consumed: int | None, old_reftype: Any) -> None:
         log = self.allocation_log
         if log is not None:
-            if u_type == _UpdateType.ADD:
+            if u_type == UpdateType.ADD:
                 log.append((1, id(winfo), winfo.mem_consumed))
-            elif u_type == _UpdateType.DEL:
+            elif u_type == UpdateType.DEL:
                 log.append((-1, id(winfo), winfo.mem_consumed))
-            elif u_type == _UpdateType.SIZE:  # a resize_: the old storage is released, a new one taken
+            elif u_type == UpdateType.SIZE:  # a resize_: the old storage is released, a new one taken
                 log.append((-1, id(winfo), int(old_mem_consumed or 0)))
                 log.append((1, id(winfo), winfo.mem_consumed))
-        if u_type == _UpdateType.ADD or u_type == _UpdateType.SIZE:
+        if u_type == UpdateType.ADD or u_type == UpdateType.SIZE:
             self._grew = True
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        super().on_memory_update(u_type, winfo, old_mem_consumed, old_reftype)
 
     # ------------------------------------------------------------------ repeated calls, generators, frozen weights
-    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+    def pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        if module in self.memory_tracking and not self.in_backward:
             # A repeated call: a generation loop runs the same decoder once per token. The stock
             # tracker refuses a top-level module called twice; record each call like a reused submodule.
             stats = self.memory_tracking[module]
-            stats.mod_fqn = self._mod_tracker.get_known_fqn(module) or stats.mod_fqn
-            stats.input_mem = self._track_inputs_or_outputs(inputs)
+            stats.mod_fqn = self.known_name(module) or stats.mod_fqn
+            stats.input_mem = self.track_inputs(inputs)
             snapshot = self.get_tracker_snapshot()
             stats.local_peak = {dev: dev_snap["Total"] for dev, dev_snap in snapshot.items()}
-            stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
-            stats.snapshots.setdefault(_ModState.PRE_FW, []).append(copy.deepcopy(snapshot))
+            stats.snapshots.setdefault(ModState.PEAK_FW, []).append(snapshot)
+            stats.snapshots.setdefault(ModState.PRE_FW, []).append(copy.deepcopy(snapshot))
         else:
-            super()._pre_fw_hook(module, inputs)
+            super().pre_forward(module, inputs)
             stats = self.memory_tracking[module]
         self._stats_by_name[stats.mod_fqn] = stats
 
@@ -151,54 +151,55 @@ class StepTracker(MemTracker):
         # under a nested one).
         res = func(*args, **(kwargs or {}))
         if active_fake_mode() is self._entry_fake_mode:
-            is_bw = self._mod_tracker.is_bw
-            reftype = _MemRefType.OPT if self._in_opt else _MemRefType.TEMP if is_bw and not self._in_ac else _MemRefType.ACT
+            is_bw = self.in_backward
+            reftype = (MemRefType.OPT if self.in_optimizer_step
+                       else MemRefType.TEMP if is_bw and not self.in_activation_checkpoint else MemRefType.ACT)
             if isinstance(res, torch.Tensor):
-                self._track(reftype, res)
+                self.track_tensor(reftype, res)
             else:
                 for leaf in tree_leaves(res):
                     if isinstance(leaf, torch.Tensor):
-                        self._track(reftype, leaf)
+                        self.track_tensor(reftype, leaf)
             # Peaks can only rise when memory was added; an op that only viewed or freed cannot move
             # one, except as the first op of a phase (where that phase's level is first recorded).
             phase = self.current_phase()
             if self._grew or phase != self._last_phase:
                 self._grew = False
                 self._last_phase = phase
-                self._update_peak_stats(_ModState.PEAK_BW if is_bw else _ModState.PEAK_FW)
+                self.update_peak_stats(ModState.PEAK_BW if is_bw else ModState.PEAK_FW)
         return res
 
-    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+    def track_parameters_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool) -> tuple[int, int]:
         # The stock version registers gradient hooks on every parameter, which fails on frozen
         # ones (a reference model, a reward model): those get no hook, they never get a gradient.
         def grad_hook(grad: torch.Tensor) -> None:
-            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+            self.track_storages_of(grad, MemRefType.GRAD)
 
         param_memory = 0
         for param in module.parameters():
-            winfos = self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
+            winfos = self.track_storages_of(param, MemRefType.PARAM)
             param_memory += sum(w.mem_consumed for w in winfos)
             if param.grad is not None:
-                self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
-            if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
-                self._param_to_grad_hook_handles[param] = (
+                self.track_storages_of(param.grad, MemRefType.GRAD)
+            if install_grad_hooks and param.requires_grad and self.grad_hook_handles.get(param, None) is None:
+                self.grad_hook_handles[param] = (
                     param.register_hook(grad_hook),
                     param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad)),
                 )
         buffer_memory = 0
         for buffer in module.buffers():
-            winfos = self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
+            winfos = self.track_storages_of(buffer, MemRefType.BUFFER)
             buffer_memory += sum(w.mem_consumed for w in winfos)
         return param_memory, buffer_memory
 
     # ------------------------------------------------------------------ peaks
     def current_phase(self) -> str:
         # Manual optimization runs backward and the optimizer inside training_step: ask the tracker.
-        return "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else self.phase
+        return "optimizer step" if self.in_optimizer_step else "backward" if self.in_backward else self.phase
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        current = self._curr_mem_snap
-        for name in self._mod_tracker.parents:
+    def update_peak_stats(self, peak_state: Any) -> None:
+        current = self.current_snapshot
+        for name in self.running_module_names:
             stats = self._stats_by_name.get(name)
             if stats is None or peak_state not in stats.snapshots:
                 continue
@@ -212,9 +213,9 @@ class StepTracker(MemTracker):
         for dev, dev_snap in current.items():
             total = dev_snap["Total"]
             grand_total += total
-            if self._peak_mem.get(dev, 0) < total:
-                self._peak_mem[dev] = total
-                self._peak_mem_snap[dev] = dict(dev_snap)
+            if self.peak_bytes.get(dev, 0) < total:
+                self.peak_bytes[dev] = total
+                self.peak_snapshot[dev] = dict(dev_snap)
                 self.peak_phase = phase
         if grand_total > self.phase_peaks.get(phase, -1):
             self.phase_peaks[phase] = grand_total
@@ -222,7 +223,7 @@ class StepTracker(MemTracker):
 
     def mark_phase_start(self, phase: str) -> None:
         """Count what is live when ``phase`` starts as that phase's first level (a phase may only free)."""
-        current = self._curr_mem_snap
+        current = self.current_snapshot
         total = sum(int(d.get("Total", 0)) for d in current.values())
         if total > self.phase_peaks.get(phase, -1):
             self.phase_peaks[phase] = total
@@ -239,11 +240,11 @@ def module_rows(tracker: StepTracker) -> list[ModuleMemory]:
             continue  # the LightningModule itself: that is the whole step
         key = re.sub(r"\.\d+(?=\.|$)", ".*", rest)
         snaps = stats.snapshots
-        pre_fw = [snapshot_total(s) for s in snaps.get(_ModState.PRE_FW, [])]
-        post_fw = [snapshot_total(s) for s in snaps.get(_ModState.POST_FW, [])]
-        peak_fw = [snapshot_total(s) for s in snaps.get(_ModState.PEAK_FW, [])]
-        pre_bw = [snapshot_total(s) for s in snaps.get(_ModState.PRE_BW, [])]
-        peak_bw = [snapshot_total(s) for s in snaps.get(_ModState.PEAK_BW, [])]
+        pre_fw = [snapshot_total(s) for s in snaps.get(ModState.PRE_FW, [])]
+        post_fw = [snapshot_total(s) for s in snaps.get(ModState.POST_FW, [])]
+        peak_fw = [snapshot_total(s) for s in snaps.get(ModState.PEAK_FW, [])]
+        pre_bw = [snapshot_total(s) for s in snaps.get(ModState.PRE_BW, [])]
+        peak_bw = [snapshot_total(s) for s in snaps.get(ModState.PEAK_BW, [])]
         kept = sum(max(b - a, 0) for a, b in zip(pre_fw, post_fw))
         fw_peak = max((max(b - a, 0) for a, b in zip(pre_fw, peak_fw)), default=0)
         bw_peak = max((max(b - a, 0) for a, b in zip(pre_bw, peak_bw)), default=0)

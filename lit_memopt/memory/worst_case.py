@@ -14,10 +14,21 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from lit_memopt._compat.torch import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    TorchDispatchMode,
+    disable_current_modes,
+    local_scalar_dense_op,
+    op_schema,
+    storage_key,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 
 __all__ = ["WorstCaseValues", "UnknownValueError", "filler_token_id", "VALUE_NUMEL_LIMIT", "WORST_CASE_METHOD"]
 
@@ -28,6 +39,8 @@ aten = torch.ops.aten
 VALUE_NUMEL_LIMIT = 1 << 22
 # The ops whose output is the policy's choice of token: forced to the filler.
 _SAMPLERS = (aten.multinomial.default,)
+# What ``Tensor.item()`` dispatches to.
+_ITEM = local_scalar_dense_op()
 WORST_CASE_METHOD = "generation at its worst case: every response runs to max_new_tokens (sampled tokens forced to a non-EOS filler)"
 
 
@@ -66,7 +79,7 @@ def filler_token_id(tokenizer: Any, model_config: Any = None, vocab_size: int | 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an in-place or ``out=`` op writes to."""
-    schema = func._schema
+    schema = op_schema(func)
     if not schema.is_mutable:
         return []
     written = []
@@ -88,7 +101,7 @@ def _same_layout(fake: torch.Tensor, real: torch.Tensor) -> bool:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return storage_key(t.untyped_storage())
 
 
 class WorstCaseValues(TorchDispatchMode):
@@ -124,14 +137,14 @@ class WorstCaseValues(TorchDispatchMode):
     # ------------------------------------------------------------------ values
     def track(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Record that ``fake`` holds the values of ``real`` (e.g. a batch converted to fake tensors)."""
-        with _disable_current_modes():  # called inside fake mode: the copy must stay real
+        with disable_current_modes():  # called inside fake mode: the copy must stay real
             self._set(fake, real.detach().to("cpu"))
 
     def _set(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         # Same layout or nothing: a later as_strided/_reshape_alias replays the fake's strides and offset on
         # the values, which must then address the same elements (else a real kernel reads past their storage).
         if not _same_layout(fake, real):
-            with _disable_current_modes():  # a batch tensor or a filler: same values in the fake's layout
+            with disable_current_modes():  # a batch tensor or a filler: same values in the fake's layout
                 laid_out = torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype)
                 if fake.storage_offset() != 0 or laid_out.untyped_storage().nbytes() < fake.untyped_storage().nbytes():
                     return  # a view into a larger storage: its values are not followed
@@ -173,7 +186,7 @@ class WorstCaseValues(TorchDispatchMode):
         if "device" in kwargs:
             kwargs = {**kwargs, "device": torch.device("cpu")}
         # Outside every mode: a real computation, neither tracked as memory nor turned into fake tensors.
-        with _disable_current_modes(), torch.no_grad():
+        with disable_current_modes(), torch.no_grad():
             return func(*args, **kwargs)
 
     def _remember(self, fake_out: Any, real_out: Any) -> None:
@@ -193,7 +206,7 @@ class WorstCaseValues(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func is aten._local_scalar_dense.default:
+        if func is _ITEM:
             value = self.value_of(args[0])
             if value is None:
                 try:
@@ -204,7 +217,7 @@ class WorstCaseValues(TorchDispatchMode):
                     "the step reads the value of a tensor computed from the weights (.item(), a comparison in an "
                     "if, .tolist()); only sampled tokens have a worst case (the filler), other values have none"
                 )
-            with _disable_current_modes():
+            with disable_current_modes():
                 return value.item()
         try:
             out = func(*args, **kwargs)
@@ -212,7 +225,7 @@ class WorstCaseValues(TorchDispatchMode):
             return self._value_dependent_shape(func, args, kwargs)
         if func in _SAMPLERS:
             self.sampled_tokens += out.numel()
-            with _disable_current_modes():
+            with disable_current_modes():
                 self._set(out, torch.full(tuple(out.shape), self.filler_token_id, dtype=out.dtype))
             return out
         self._follow(func, args, kwargs, out)
@@ -260,7 +273,7 @@ class WorstCaseValues(TorchDispatchMode):
                 if index is not None and index.dtype in (torch.bool, torch.uint8):
                     if mask is None:
                         break
-                    with _disable_current_modes():
+                    with disable_current_modes():
                         columns = mask.bool().nonzero().unbind(1)
                     positions.extend(self._fake_like(column, device) for column in columns)
                 elif index is None or mask is not None:
@@ -274,7 +287,7 @@ class WorstCaseValues(TorchDispatchMode):
         if func is aten.masked_select.default:
             mask = self.value_of(args[1])
             if mask is not None:
-                with _disable_current_modes():
+                with disable_current_modes():
                     count = int(torch.broadcast_to(mask.bool(), torch.broadcast_shapes(args[0].shape, mask.shape)).sum())
                 return torch.empty(count, dtype=args[0].dtype, device=device)
         raise UnknownValueError(

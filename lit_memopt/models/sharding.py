@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_memopt._compat.lightning import attached_trainer
+
 __all__ = ["RootCall", "is_fsdp_sharded", "mixed_precision_policy", "shard_blocks_and_root", "shard_for_fsdp2", "decoder_blocks"]
 
 
@@ -102,7 +104,7 @@ def shard_for_fsdp2(module: Any, *models: nn.Module, root: nn.Module | None = No
             "lit-memopt modules shard with data parallelism only: set tensor_parallel_size=1 in ModelParallelStrategy "
             f"(got {mesh['tensor_parallel'].size()})."
         )
-    precision = getattr(getattr(module, "_trainer", None), "precision", None)
+    precision = getattr(attached_trainer(module), "precision", None)
     if root is not None and len(models) != 1:
         raise ValueError("shard_for_fsdp2: `root` replaces the root of exactly one model")
     for model in models:

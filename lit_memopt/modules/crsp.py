@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.callbacks.oom_recovery import OOMRecovery
 from lit_memopt.data.code_tasks import CodeTask, batch_call_program, call_program
 from lit_memopt.models import lm_head_weight
@@ -258,7 +259,7 @@ class CRSPModule(pl.LightningModule):
         # Before sharding and before a validation that precedes fit: the first held-out numbers are the warm start's.
         warm_start_in_setup(self, self.model, self.warm_start, reference=self.reference, examples=self.warm_start_examples)
         if stage == "fit":
-            clip = getattr(self.trainer, "gradient_clip_val", None) if self._trainer is not None else None
+            clip = getattr(self.trainer, "gradient_clip_val", None) if attached_trainer(self) is not None else None
             if clip is not None:
                 raise ValueError(f"CRSPModule uses manual optimization (one backward per micro-batch per role), which "
                                  f"Lightning cannot clip for you: set trainer.gradient_clip_val=null (got {clip}) and "
@@ -314,7 +315,7 @@ class CRSPModule(pl.LightningModule):
         return rollout, rollout.decode_responses(self.tokenizer)
 
     def _total_steps(self) -> int:
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         if trainer is None:
             return 1
         if trainer.max_steps and trainer.max_steps > 0:
@@ -569,7 +570,7 @@ class CRSPModule(pl.LightningModule):
         Raises:
             ValueError: the datamodule offers no ``warm_start_tasks`` (e.g. not ``CodeTaskDataModule``).
         """
-        source = getattr(self.trainer.datamodule, "warm_start_tasks", None) if self._trainer is not None else None
+        source = getattr(self.trainer.datamodule, "warm_start_tasks", None) if attached_trainer(self) is not None else None
         if source is None:
             raise ValueError("a CRSP warm start needs CodeTaskDataModule(family='grammar') (data=code_tasks "
                              "data.family=grammar); or set module.warm_start.steps=0.")

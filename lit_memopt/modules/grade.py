@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.models.hf import ModelConfig, decoder_outputs, lm_head_weight
 from lit_memopt.modules.heldout import MeanAndStderr
 from lit_memopt.modules._optim import adamw_with_warmup
@@ -256,7 +257,7 @@ class GradeModule(pl.LightningModule):
         step, sample) only, so a step split into micro-batches draws exactly the noise of the unsplit step.
         Without it, one generator per (rank, step, batch) draws the batch's noise.
         """
-        from torch._subclasses.fake_tensor import is_fake
+        from lit_memopt._compat.torch import is_fake
 
         if like.device.type == "meta" or is_fake(like):
             return None
@@ -513,7 +514,7 @@ class GradeModule(pl.LightningModule):
 
         Only logged: GRADE's reward is its reward model's, never the answers'.
         """
-        checker = getattr(getattr(self._trainer, "datamodule", None), "checker", None) if self._trainer else None
+        checker = getattr(getattr(attached_trainer(self), "datamodule", None), "checker", None)
         answers = batch.get("answers")
         if checker is None or answers is None or self.tokenizer is None:
             return None

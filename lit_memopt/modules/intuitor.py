@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.models import lm_head_weight
 from lit_memopt.modules.heldout import MeanAndStderr
 from lit_memopt.modules._optim import adamw_with_warmup
@@ -181,7 +182,7 @@ class IntuitorModule(pl.LightningModule):
     # ------------------------------------------------------------------ setup
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(attached_trainer(self), "datamodule", None)
         if self.checker is None:
             self.checker = getattr(datamodule, "checker", None)
         # Checked before the warm start: a run that cannot reward its responses stops before any training.

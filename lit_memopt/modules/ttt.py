@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.models.hf import plain_container, decoder_hidden_states, lm_head_weight
 from lit_memopt.models.ttt import TTTConfig, TTTIntegrationConfig, add_ttt_layers
 from lit_memopt.ops import linear_logprobs
@@ -199,7 +200,7 @@ class TTTModule(pl.LightningModule):
         from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
         warmup = int(self.hparams.warmup_steps)
-        total = self.trainer.estimated_stepping_batches if self._trainer is not None else float("inf")
+        total = self.trainer.estimated_stepping_batches if attached_trainer(self) is not None else float("inf")
         if math.isfinite(total) and int(total) > warmup:
             # linear warm-up, then cosine decay to min_lr_ratio of each group's rate at the last step
             scheduler = get_cosine_with_min_lr_schedule_with_warmup(

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.memory.forked import usable_cpu_cores
 from lit_memopt.models.adapters import base_weights_trainable
 from lit_memopt.models.tokens import left_pad
@@ -261,7 +262,7 @@ def warm_start_in_setup(module: Any, model: torch.nn.Module, config: WarmStart,
     that writes its own prompts around the datamodule's tasks. Every rank fits the same examples from the same seed (no file shared between
     processes); a single process caches the weights (``config.path`` or ``warm_start.pt`` in the run dir).
     """
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     # Without a Trainer (a module set up by hand, e.g. to start CRSP's sandbox) there is no fit to prepare.
     if config.steps == 0 or getattr(module, "_warm_started", False) or trainer is None:
         return

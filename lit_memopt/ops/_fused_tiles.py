@@ -26,6 +26,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from lit_memopt._compat.torch import raised_recompile_limit
+
 # ``LIT_MEMOPT_FUSED_TILES``: "auto" (default: CUDA only), "1" (everywhere torch.compile works), "0" (never).
 _ENV = "LIT_MEMOPT_FUSED_TILES"
 _MODES = ("auto", "0", "1")
@@ -62,16 +64,9 @@ def compiled_once(fn: Callable, *, graphs: Optional[int] = None) -> Callable:
             compiled = torch.compile(fn, dynamic=True)
         if compiled is fn:
             return fn(*args, **kwargs)
-        raised = None  # the recompile limit's name and torch's value, while ``graphs`` replaces it
-        if graphs is not None:
-            config = torch._dynamo.config
-            # torch 2.6 renamed dynamo's ``cache_size_limit`` to ``recompile_limit``.
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            if getattr(config, name) < graphs:
-                raised = name, getattr(config, name)
-                setattr(config, name, graphs)
         try:
-            return compiled(*args, **kwargs)
+            with raised_recompile_limit(graphs):
+                return compiled(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager maths are the same
@@ -84,9 +79,6 @@ def compiled_once(fn: Callable, *, graphs: Optional[int] = None) -> Callable:
             )
             compiled = fn
             return fn(*args, **kwargs)
-        finally:
-            if raised is not None:
-                setattr(torch._dynamo.config, *raised)
 
     return call
 

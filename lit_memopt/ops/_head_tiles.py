@@ -15,6 +15,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from lit_memopt._compat.torch import cpu_has_native_low_precision_matmul
+from lit_memopt._compat.torch import is_fake as is_fake_tensor
+
 ChunkSize = Optional[Union[int, Sequence[int]]]
 PRECISIONS = ("auto", "exact", "fast")
 
@@ -52,9 +55,7 @@ def is_fake(t: Tensor) -> bool:
     """Fake and meta tensors carry no values, so value checks and data-dependent shapes are skipped."""
     if t.device.type == "meta":
         return True
-    from torch._subclasses.fake_tensor import is_fake as _is_fake
-
-    return bool(_is_fake(t))
+    return is_fake_tensor(t)
 
 
 def check_float(name: str, t: object, min_dim: int) -> Tensor:
@@ -220,8 +221,7 @@ def native_low_precision_matmul(device: torch.device, dtype: torch.dtype) -> boo
     """Whether ``device`` multiplies ``dtype`` (bf16/fp16) matrices in hardware rather than by emulation."""
     try:
         if device.type == "cpu":
-            supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
-            return bool(supported())
+            return cpu_has_native_low_precision_matmul(dtype)
         if device.type == "cuda" and dtype == torch.bfloat16:
             return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     except (AttributeError, RuntimeError, TypeError):

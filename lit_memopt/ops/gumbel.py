@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_memopt._compat.torch import is_fake as is_fake_tensor
+
 __all__ = ["topk_gumbel_softmax", "soft_embedding"]
 
 
 def _is_fake(t: Tensor) -> bool:
     if t.device.type == "meta":
         return True
-    from torch._subclasses.fake_tensor import is_fake
-
-    return bool(is_fake(t))
+    return is_fake_tensor(t)
 
 
 def _check_index_tensor(name: str, t: object) -> Tensor:

@@ -109,7 +109,7 @@ class AttentionWithTTT(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["attention"], name)
+            return getattr(super().__getattr__("attention"), name)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
