@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_memopt.data.loading import cache_file, hash_of, load_train_and_eval, require_datasets
-from lit_memopt.models.tokens import left_pad
+from lit_memopt.models.tokens import left_pad, padding_id
 
 __all__ = ["PromptDatasetDataModule", "PromptCollate", "ANSWER_COLUMNS", "OVERLONG", "prompt_kind"]
 
@@ -335,13 +335,11 @@ class PromptDatasetDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
     def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
-        pad_id = self.tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        pad_id = padding_id(self.tokenizer)
         generator = torch.Generator().manual_seed(self.seed) if shuffle else None
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle,
                           drop_last=shuffle and len(dataset) >= self.batch_size, num_workers=self.num_workers,
-                          generator=generator, collate_fn=PromptCollate(int(pad_id), self.answer_column, self.kwarg_columns))
+                          generator=generator, collate_fn=PromptCollate(pad_id, self.answer_column, self.kwarg_columns))
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from lit_memopt.models.tokens import left_pad
+from lit_memopt.models.tokens import left_pad, padding_id
 
 TASKS = ("add", "sub", "mul", "max", "copy", "reverse")
 TASK_GROUPS = {"arithmetic": ("add", "sub", "mul", "max"), "strings": ("copy", "reverse"), "mixed": TASKS}
@@ -283,16 +283,14 @@ class ReasoningPromptsDataModule(LightningDataModule):
         return pairs
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        pad_id = self.tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        pad_id = padding_id(self.tokenizer)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
             drop_last=shuffle,
             num_workers=self.num_workers,
-            collate_fn=_LeftPadCollate(int(pad_id)),
+            collate_fn=_LeftPadCollate(pad_id),
         )
 
     def train_dataloader(self) -> DataLoader:

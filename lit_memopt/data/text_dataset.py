@@ -19,6 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from lit_memopt.data.loading import cache_file, hash_of, load_train_and_eval
+from lit_memopt.models.tokens import padding_id
 
 __all__ = ["FORMATS", "TextDatasetDataModule", "detect_format", "segments_of_row", "tokenize_segments", "pack_rows",
            "SFTCollate"]
@@ -397,12 +398,10 @@ class TextDatasetDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
     def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
-        pad_id = self.tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        pad_id = padding_id(self.tokenizer)
         generator = torch.Generator().manual_seed(self.seed) if shuffle else None
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=shuffle and len(dataset) >= self.batch_size,
-                          num_workers=self.num_workers, generator=generator, collate_fn=SFTCollate(int(pad_id), self.max_length))
+                          num_workers=self.num_workers, generator=generator, collate_fn=SFTCollate(pad_id, self.max_length))
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")

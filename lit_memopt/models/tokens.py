@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["left_pad"]
+__all__ = ["left_pad", "padding_id"]
 
 
 def left_pad(
@@ -32,3 +33,12 @@ def left_pad(
         ids = torch.nn.functional.pad(ids, (length - ids.shape[1], 0), value=pad_id)
         mask = torch.nn.functional.pad(mask, (length - mask.shape[1], 0), value=0)
     return ids.to(device), mask.to(device)
+
+
+def padding_id(tokenizer: Any) -> int:
+    """The id batches are padded with: the tokenizer's pad id, else its EOS id (Llama-style tokenizers have no pad
+    token; padded positions are masked out anyway), else 0."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return 0
