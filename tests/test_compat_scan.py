@@ -5,6 +5,7 @@ in ``tests/test_compat.py``."""
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lit_memopt"
 
 def _registered() -> dict[str, tuple[str, str]]:
     """Every private name of the seam -> (compat module, the function or re-export that wraps it)."""
-    seams = {name: getattr(_compat, name) for name in _compat.SUBMODULES}
+    seams = {name: importlib.import_module(f"lit_memopt._compat.{name}") for name in _compat.SUBMODULES}
     return {private: (module, wrapper) for module, seam in seams.items() for private, wrapper in seam.PRIVATE_NAMES.items()}
 
 

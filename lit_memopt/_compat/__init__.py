@@ -11,32 +11,10 @@ One module per library; each function (or re-export) wraps one private name and 
 Each module's ``PRIVATE_NAMES`` maps the private names it wraps to its own names; the tripwire test checks each one
 against the installed versions and fails naming the function to fix here, and a second test fails when a private name
 is used anywhere else in the pack. The pack imports the library modules directly (``from lit_memopt._compat.torch
-import is_fake``), so that import-linter sees what each layer really loads; the Lightning names stay importable from
-this package (lazily, so importing it loads neither Lightning nor ``torch.distributed``).
+import is_fake``), so that import-linter sees what each layer really loads; this package itself imports none of them.
 """
 
 from __future__ import annotations
 
-from lit_memopt._lazy import lazy_exports
-
 #: the library modules of the seam, in the order the tests report them
 SUBMODULES = ("torch", "distributed", "mem_tracker", "lightning")
-
-_EXPORTS = {
-    name: ".lightning"
-    for name in (
-        "MODEL_CHECKPOINT_WRITE_HOOK",
-        "set_checkpoint_triggers",
-        "save_checkpoint_now",
-        "record_checkpoint_written",
-        "should_accumulate",
-        "attached_trainer",
-        "callback_state_key",
-        "PROGRESS_BAR_DESCRIPTION_HOOK",
-        "default_train_description",
-        "PRIVATE_METHODS",
-        "PRIVATE_ATTRIBUTES",
-    )
-}
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
