@@ -12,6 +12,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -133,10 +134,14 @@ def _borrow_torch(folder: Path) -> None:
 def core_env(tmp_path_factory: pytest.TempPathFactory) -> CoreEnv:
     started = time.perf_counter()
     root = tmp_path_factory.mktemp("core_install")
-    build = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(root / "dist"),
+    # An sdist, then the wheel built from that sdist (build's default): the wheel users install is what the sdist holds.
+    build = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(root / "dist"),
                             str(REPO)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = next((root / "dist").glob("lit_memopt-*.whl"))
+    with tarfile.open(next((root / "dist").glob("lit_memopt-*.tar.gz"))) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert {"pyproject.toml", "README.md", "mkdocs.yml", "docs/index.md", "conf/config.yaml"} <= names
 
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

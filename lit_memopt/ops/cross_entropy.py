@@ -45,8 +45,9 @@ def linear_cross_entropy(
     ``z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature``.
 
     Args:
-        hidden, weight, targets, bias, ignore_index, mask, temperature, logit_scale,
-            final_logit_softcapping, chunk_size, precision: as in :func:`linear_logprobs`.
+        hidden: ``[..., H]`` final hidden states. This and ``weight``, ``targets``, ``bias``, ``ignore_index``,
+            ``mask``, ``temperature``, ``logit_scale``, ``final_logit_softcapping``, ``chunk_size`` and
+            ``precision`` are as in :func:`linear_logprobs`.
         reduction: ``"mean"`` (over counted rows; 0 when none count), ``"sum"`` or ``"none"`` (per row, 0 where ignored).
         label_smoothing: ``eps`` in [0, 1].
         z_loss: coefficient (>= 0) of ``logsumexp(z)**2``.

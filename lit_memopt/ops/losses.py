@@ -193,8 +193,8 @@ def ppo_clip_loss(
 
     Raises:
         TypeError, ValueError: bad shapes, dtypes, devices, clip ranges, ``kl_coef < 0``, ``kl_coef > 0``
-        without ``ref_logp``, an unknown ``loss_type`` / ``importance_sampling_level``, or
-        ``num_items_in_batch`` with ``"grpo"`` / ``"dr_grpo"``.
+            without ``ref_logp``, an unknown ``loss_type`` / ``importance_sampling_level``, or
+            ``num_items_in_batch`` with ``"grpo"`` / ``"dr_grpo"``.
 
     Example::
 
