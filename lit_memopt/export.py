@@ -319,7 +319,7 @@ def _reload(out: Path, model_config: Any, *, lora: str, chosen: list[Any]) -> An
     """What was written, loaded the way a user will: ``from_pretrained``, or the base + ``PeftModel``."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": model_config.torch_dtype, "attn_implementation": model_config.attn_implementation}
+    kwargs = model_config.load_kwargs()
     if lora != "adapter":
         return AutoModelForCausalLM.from_pretrained(str(out), **kwargs).eval()
     from peft import PeftModel

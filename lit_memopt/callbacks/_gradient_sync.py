@@ -233,13 +233,8 @@ def select_gradient_sync(trainer: Any, agree: RankAgreement) -> GradientSync | s
                 f"OOMRecovery supports ModelParallelStrategy with data parallelism only (FSDP2); tensor_parallel_size="
                 f"{tensor_parallel} runs collectives inside every layer that it cannot guard: it is disabled for this run."
             )
-        from torch.distributed.fsdp import FSDPModule
-
-        if not hasattr(FSDPModule, "reset_iter_state"):
-            return (
-                f"OOMRecovery under FSDP2 needs FSDPModule.reset_iter_state (torch {torch.__version__} has none; "
-                "newer torch releases have it) to restart a step that failed mid-pass: it is disabled for this run."
-            )
+        # FSDPModule.reset_iter_state, which restarts a step that failed mid-pass, is in every torch that
+        # pyproject.toml admits (>=2.13): no run-time probe (tests/test_oom_recovery_fsdp2.py calls it).
         return FSDP2Sync(agree) if agree.enabled else SingleDeviceSync(agree)
     if kind == "FSDPStrategy":
         return (

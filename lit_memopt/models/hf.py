@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning_utilities.core.imports import RequirementCache
+
+# transformers 4.56 renamed the `torch_dtype` argument of from_pretrained/from_config to `dtype` (the old name only
+# warns from then on); the releases before it, which pyproject.toml still admits, know only `torch_dtype`.
+TRANSFORMERS_DTYPE_ARG = "dtype" if RequirementCache("transformers>=4.56") else "torch_dtype"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,11 +154,15 @@ class ModelConfig:
         model_type = arch.pop("model_type")
         return AutoConfig.for_model(model_type, **arch)
 
+    def load_kwargs(self) -> dict[str, Any]:
+        """The dtype and attention keywords of transformers' ``from_pretrained`` / ``from_config``, by its version."""
+        return {TRANSFORMERS_DTYPE_ARG: self.torch_dtype, "attn_implementation": self.attn_implementation}
+
     def build_model(self, *, apply_lora: bool = True) -> torch.nn.Module:
         """A causal LM with weights (random from ``arch``, or loaded from ``pretrained``), LoRA applied if set."""
         from transformers import AutoModelForCausalLM
 
-        kwargs = {"dtype": self.torch_dtype, "attn_implementation": self.attn_implementation}
+        kwargs = self.load_kwargs()
         if self.pretrained is not None:
             model = AutoModelForCausalLM.from_pretrained(require_local_path(self.pretrained, "model.pretrained"), **kwargs)
             model.train()  # from_pretrained returns eval mode; a built policy trains (dropout as its config says)

@@ -201,7 +201,7 @@ def build_sequence_classifier(
 
     if int(num_labels) < 1:
         raise ValueError(f"reward num_labels must be >= 1, got {num_labels!r}.")
-    kwargs = {"dtype": model_config.torch_dtype, "attn_implementation": model_config.attn_implementation}
+    kwargs = model_config.load_kwargs()
     if pretrained is not None:
         path = require_local_path(pretrained, "module.reward_model.pretrained")
         config = AutoConfig.from_pretrained(path, num_labels=int(num_labels))
