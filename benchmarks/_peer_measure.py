@@ -40,14 +40,15 @@ def exactness(methods: list[Method], x: Inputs) -> dict[str, dict[str, Any]]:
         out[m.name] = {
             "value_err": max(float((v.detach().double() - r).abs().max()) for v, r in zip(values, ref_values)),
             "grad_hidden_err": float((x["hidden"].grad.double() - ref_gh).abs().max()),
-            "grad_weight_err": float((x["weight"].grad.double() - ref_gw).abs().max()),
+            # None for a frozen head (no weight gradient anywhere)
+            "grad_weight_err": None if ref_gw is None else float((x["weight"].grad.double() - ref_gw).abs().max()),
             "out_dtype": str(values[0].dtype).replace("torch.", ""),
         }
     _clear_grads(x)
     out["_reference_scale"] = {
         "value_max": max(float(r.abs().max()) for r in ref_values),
         "grad_hidden_max": float(ref_gh.abs().max()),
-        "grad_weight_max": float(ref_gw.abs().max()),
+        "grad_weight_max": None if ref_gw is None else float(ref_gw.abs().max()),
     }
     return out
 
@@ -81,9 +82,10 @@ def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(ta / tb for ta, tb in zip(times[a], times[b]))
 
 
-def real_memory(methods: list[Method], x: Inputs) -> dict[str, Any]:
-    """Peak bytes of new tensors during forward+backward, beyond the inputs' gradients (real tensors)."""
-    grad_bytes = x["hidden"].numel() * x["hidden"].element_size() + x["weight"].numel() * x["weight"].element_size()
+def real_memory(methods: list[Method], x: Inputs, *, frozen: bool = False) -> dict[str, Any]:
+    """Peak bytes of new tensors during forward+backward, beyond the inputs' gradients (real tensors; ``frozen``:
+    the weight gets none)."""
+    grad_bytes = x["hidden"].numel() * x["hidden"].element_size() + (0 if frozen else x["weight"].numel() * x["weight"].element_size())
     out: dict[str, Any] = {}
     for m in methods:
         _clear_grads(x)
@@ -118,7 +120,7 @@ def fake_memory(op: str, dtype: torch.dtype, shape: dict[str, int], peers: dict[
                 seqs = x["advantages"].shape[0]
                 x["old_logp"] = torch.zeros(seqs, shape["tokens"] // seqs)
                 x["ref_logp"] = torch.zeros(seqs, shape["tokens"] // seqs)
-                leaves = [x["hidden"], x["weight"]]
+                leaves = [x["hidden"]] + ([] if op == "frozen_logprobs" else [x["weight"]])  # a frozen head has no weight gradient
                 grad_bytes = sum(t.numel() * t.element_size() for t in leaves)
                 stats = peak_during(lambda: step(x=x), *x.values())
                 kept.clear()

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from lit_memopt.ops import linear_logprobs, linear_logprobs_and_entropy, ppo_clip_loss
+from lit_memopt.ops import linear_cross_entropy, linear_logprobs, linear_logprobs_and_entropy, linear_policy_loss, ppo_clip_loss
 
 TIME_SHAPE = {"tokens": 2048, "hidden": 512, "vocab": 32000}
 TIME_SHAPE_QUICK = {"tokens": 256, "hidden": 128, "vocab": 4000}
@@ -26,10 +26,13 @@ REPS, REPS_QUICK = 5, 2
 # GRPO settings shared by every implementation (Liger's defaults, with our k3 KL weight).
 GRPO = {"clip_eps": 0.2, "kl_coef": 0.04, "loss_type": "dapo"}
 
-OPS = ("logprobs", "logprobs_entropy", "grpo")
+# cross_entropy: the SFT loss (a scalar: lit-memopt makes its gradients in the forward); frozen_logprobs: a LoRA
+# run's frozen head (no weight gradient: lit-memopt's forward makes the hidden gradient's direction).
+OPS = ("logprobs", "logprobs_entropy", "grpo", "cross_entropy", "frozen_logprobs")
 NAIVE = "naive (full logits)"
 LIT_EXACT = 'lit-memopt "exact"'
 LIT_FAST = 'lit-memopt "fast"'
+LIT_FUSED_GRPO = 'lit-memopt linear_policy_loss "exact"'
 
 Inputs = dict[str, torch.Tensor]
 
@@ -195,6 +198,7 @@ class Method:
 
 FLOOR_HOLDING = "floor: 3 head products (logits held)"
 FLOOR_RECOMPUTING = "floor: 4 head products (logits recomputed)"
+FLOOR_FROZEN = "floor: 2 head products (frozen head)"
 
 
 class _HeadProducts(torch.autograd.Function):
@@ -218,15 +222,20 @@ class _HeadProducts(torch.autograd.Function):
         hidden, weight, logits = ctx.saved_tensors
         if ctx.recompute:
             logits = hidden @ weight.t()
-        return logits @ weight, logits.t() @ hidden, None
+        return logits @ weight, logits.t() @ hidden if ctx.needs_input_grad[1] else None, None
 
 
-def product_floors() -> list[Method]:
-    """Two timing references for log-probs: the products alone of a path that holds the logits (three, as the
-    naive path and Cut Cross-Entropy's CPU implementation) and of one that recomputes them (four, as lit-memopt).
-    Timed beside the methods, they show what no softmax code can win back."""
-    return [Method(FLOOR_HOLDING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], False),), floor=True),
-            Method(FLOOR_RECOMPUTING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], True),), floor=True)]
+def product_floors(op: str = "logprobs") -> list[Method]:
+    """Timing references: the head products alone of each path, beside its time. Per-token log-probs: a path that
+    holds the logits (three, as the naive path and Cut Cross-Entropy's CPU implementation) and one that recomputes
+    them (four, lit-memopt's tiled pass). Scalar losses (cross-entropy, GRPO): three, lit-memopt's gradients made in
+    the forward. A frozen head: two (the logits and the hidden gradient). What no softmax code can win back."""
+    holding = Method(FLOOR_HOLDING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], False),), floor=True)
+    if op == "logprobs":
+        return [holding, Method(FLOOR_RECOMPUTING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], True),), floor=True)]
+    if op == "frozen_logprobs":
+        return [Method(FLOOR_FROZEN, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"].detach(), False),), floor=True)]
+    return [holding] if op in ("cross_entropy", "grpo") else []
 
 
 def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer], device: str = "cpu") -> tuple[list[Method], list[dict[str, str]]]:
@@ -302,6 +311,34 @@ def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer], device: str
             return fn
 
         peer_method("Liger chunked_loss", "Liger LigerFusedLinearGRPOLoss", liger_grpo, grads_in_forward=True)
+        methods.append(Method(LIT_FUSED_GRPO, lambda x: linear_policy_loss(
+            x["hidden"].view(*x["old_logp"].shape, -1), x["weight"], x["targets"].view(x["old_logp"].shape), x["old_logp"],
+            x["advantages"], ref_logp=x["ref_logp"], precision="exact", **GRPO), grads_in_forward=True))
+    elif op == "cross_entropy":
+        methods.append(Method(NAIVE, lambda x: F.cross_entropy(_naive_logits(x), x["targets"])))
+        for label, precision in lit:
+            methods.append(Method(label, lambda x, p=precision: linear_cross_entropy(x["hidden"], x["weight"], x["targets"], precision=p),
+                                  grads_in_forward=True))
+        peer_method("torch chunked", "torch F.linear_cross_entropy (chunked)", lambda api: (
+            lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): lce(x["hidden"], x["weight"], x["targets"], options=opts)))
+        peer_method("Cut Cross-Entropy", f"Cut Cross-Entropy ({cce_impl})", lambda api: (
+            lambda x, lce=api["linear_cross_entropy"]: lce(x["hidden"], x["weight"], x["targets"], impl=cce_impl)))
+        peer_method("Liger fused linear CE", "Liger fused linear CE", lambda api: (
+            lambda x, fn=api["function"]: fn.apply(x["hidden"], x["weight"], x["targets"], None, None, -100, 0.0, 0.0, "mean")[0]),
+            grads_in_forward=True)
+    elif op == "frozen_logprobs":
+        frozen = lambda x: {**x, "weight": x["weight"].detach()}  # noqa: E731 - a LoRA run's head: no weight gradient
+        methods.append(Method(NAIVE, lambda x: (_naive_logprobs(frozen(x)),)))
+        for label, precision in lit:
+            methods.append(Method(label, lambda x, p=precision: (linear_logprobs(x["hidden"], x["weight"].detach(), x["targets"], precision=p),)))
+        peer_method("torch chunked", "torch F.linear_cross_entropy (chunked)", lambda api: (
+            lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): (
+                -lce(x["hidden"], x["weight"].detach(), x["targets"], reduction="none", options=opts),)))
+        peer_method("Cut Cross-Entropy", f"Cut Cross-Entropy ({cce_impl})", lambda api: (
+            lambda x, lce=api["linear_cross_entropy"]: (
+                -lce(x["hidden"], x["weight"].detach(), x["targets"], reduction="none", impl=cce_impl),)))
+        peer_method("TRL full logits", "TRL selective_log_softmax", lambda api: (
+            lambda x, sls=api["selective_log_softmax"]: (sls(x["hidden"] @ x["weight"].detach().t(), x["targets"]),)))
     else:
         raise ValueError(f"`op` must be one of {OPS}, got {op!r}")
     return methods, absent

@@ -89,8 +89,7 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
     """Exactness and interleaved one-thread time of every method of ``op`` at ``shape``; log-probs are also
     timed against the bare head products of a step (:func:`product_floors`)."""
     methods, absent = methods_for(op, dtype, peers)
-    if op == "logprobs":
-        methods += product_floors()
+    methods += product_floors(op)  # each path's bare head products, timed beside it
     if only is not None:
         methods = [m for m in methods if m.name in only or m.name == NAIVE]
     x = make_inputs(shape, dtype, sequence_length=sequence_length)
@@ -149,7 +148,7 @@ def run(quick: bool = False, write: bool = True, ops: tuple[str, ...] = OPS, fak
         add_grpo_logps(x, seq)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result["memory_real"].append({"op": op, "dtype": "bfloat16", "shape": real_shape, "methods": real_memory(methods, x)})
+            result["memory_real"].append({"op": op, "dtype": "bfloat16", "shape": real_shape, "methods": real_memory(methods, x, frozen=op == "frozen_logprobs")})
     if fake:
         fake_shape = FAKE_MEMORY_SHAPE_QUICK if quick else FAKE_MEMORY_SHAPE
         for op in ops:

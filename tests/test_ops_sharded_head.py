@@ -1,6 +1,6 @@
 """Fused head ops with an FSDP2-sharded LM-head weight (a DTensor), 2 processes on gloo, float64.
 
-Loss and gradients of ``linear_logprobs`` and ``linear_entropy`` with the head sharded by
+Loss and gradients of ``linear_logprobs``, ``linear_entropy`` and ``linear_cross_entropy`` with the head sharded by
 ``fully_shard`` (untied, and tied to the input embedding) equal the single-process values on all
 the ranks' data: the weight is gathered in its own dtype and its gradient reduce-scattered (averaged)
 into the shard.
@@ -41,9 +41,12 @@ def _models() -> tuple[torch.nn.Linear, Tied]:
 
 
 def _losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    from lit_memopt.ops import linear_entropy, linear_logprobs
+    from lit_memopt.ops import linear_cross_entropy, linear_entropy, linear_logprobs
 
-    return linear_logprobs(hidden, weight, targets, chunk_size=(4, 16)).mean() + 0.5 * linear_entropy(hidden, weight, chunk_size=(4, 16)).mean()
+    # The cross-entropy term makes its gradients in the forward (ops/_forward_grads.py): its weight gradient too
+    # must reach the shard through the gather's reduce-scatter.
+    return (linear_logprobs(hidden, weight, targets, chunk_size=(4, 16)).mean() + 0.5 * linear_entropy(hidden, weight, chunk_size=(4, 16)).mean()
+            + 0.3 * linear_cross_entropy(hidden, weight, targets, z_loss=1e-2, chunk_size=(4, 16)))
 
 
 def _reference() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Causal-LM fine-tuning whose loss comes from ``linear_logprobs``: no ``[tokens, vocab]`` logits."""
+"""Causal-LM fine-tuning whose loss comes from ``linear_cross_entropy``: no ``[tokens, vocab]`` logits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 
 from lit_memopt.models.hf import ModelConfig, decoder_hidden_states, lm_head_weight
-from lit_memopt.ops import linear_logprobs
+from lit_memopt.ops import linear_cross_entropy
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.models.sharding import shard_for_fsdp2
 
@@ -24,9 +24,10 @@ def next_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk
     extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
     hidden = decoder_hidden_states(model, input_ids, attention_mask=batch.get("attention_mask"), **extra)
     targets = labels[:, 1:]
-    logprobs = linear_logprobs(hidden[:, :-1], lm_head_weight(model), targets, chunk_size=chunk_size)
-    count = (targets != -100).sum()
-    return -logprobs.sum() / count.clamp_min(1), count
+    # A scalar loss: its head gradients are made in the forward (three head products instead of four; two for a
+    # frozen LoRA head), and it is the mean over labelled tokens, 0 where there are none.
+    loss = linear_cross_entropy(hidden[:, :-1], lm_head_weight(model), targets, chunk_size=chunk_size)
+    return loss, (targets != -100).sum()
 
 
 class SFTModule(pl.LightningModule):

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.models.hf import plain_container, decoder_hidden_states, lm_head_weight
 from lit_memopt.models.ttt import TTTConfig, TTTIntegrationConfig, add_ttt_layers
-from lit_memopt.ops import linear_logprobs
+from lit_memopt.ops import linear_cross_entropy
 from lit_memopt.models.sharding import shard_for_fsdp2
 
 IGNORE_INDEX = -100
@@ -37,7 +37,7 @@ class TTTModule(pl.LightningModule):
       (``0`` freezes them).
 
     The loss is ``-mean log p(target)`` over the non-ignored labels, from
-    :func:`lit_memopt.ops.linear_logprobs` (no ``[tokens, vocab]`` logits). Batches hold
+    :func:`lit_memopt.ops.linear_cross_entropy` (no ``[tokens, vocab]`` logits). Batches hold
     ``input_ids`` and already-shifted ``labels`` (``-100`` = ignored), as
     :class:`~lit_memopt.data.recall.RecallDataModule` yields them. ``recall_acc`` is the greedy
     accuracy on the labelled (queried) tokens; only those few rows get vocabulary logits, in tiles.
@@ -148,7 +148,8 @@ class TTTModule(pl.LightningModule):
         hidden = self.hidden_states(input_ids)[mask]  # only the supervised rows go to the head
         weight = self.head_weight()
         targets = labels[mask]
-        loss = -linear_logprobs(hidden, weight, targets, chunk_size=self.hparams.chunk_size).mean()
+        # A scalar loss: its head gradients are made in the forward (three head products instead of four).
+        loss = linear_cross_entropy(hidden, weight, targets, chunk_size=self.hparams.chunk_size)
         with torch.no_grad():
             accuracy = (_argmax_tokens(hidden.detach(), weight.detach()) == targets).float().mean()
         return loss, accuracy, count

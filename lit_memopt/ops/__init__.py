@@ -12,6 +12,7 @@ _EXPORTS = {
     "linear_self_certainty": ".linear_head",
     "linear_kl": ".linear_head",
     "linear_cross_entropy": ".cross_entropy",
+    "linear_policy_loss": ".policy_loss",
     "topk_gumbel_softmax": ".gumbel",
     "soft_embedding": ".gumbel",
     "tr_rpg_loss": ".losses",

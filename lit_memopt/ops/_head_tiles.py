@@ -446,10 +446,12 @@ class TileMath:
     def stat_buffer(self, name: str, rows: int, cols: int) -> Tensor:
         return self.ws.get(name, rows, cols, self.logits_capacity, self.stat_dtype)
 
-    def logits(self, name: str, h: Tensor, w: Tensor, bias: Optional[Tensor], v0: int, v1: int) -> Tensor:
-        """The transformed logits tile ``z`` of rows ``h`` and vocabulary rows ``w`` = ``W[v0:v1]``."""
+    def logits(self, name: str, h: Tensor, w: Tensor, bias: Optional[Tensor], v0: int, v1: int,
+               out: Optional[Tensor] = None) -> Tensor:
+        """The transformed logits tile ``z`` of rows ``h`` and vocabulary rows ``w`` = ``W[v0:v1]``; written into
+        ``out`` when given (a column slice of a whole-vocabulary block, ``_forward_grads.py``), else a tile buffer."""
         rows, cols = h.shape[0], w.shape[0]
-        out = self.stat_buffer(name, rows, cols)
+        out = self.stat_buffer(name, rows, cols) if out is None else out
         if not self.fast:
             torch.mm(h, w.t(), out=out)
         elif self.fp32_out:

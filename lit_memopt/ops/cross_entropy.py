@@ -69,21 +69,28 @@ def linear_cross_entropy(
     if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not math.isfinite(z_loss) or z_loss < 0:
         raise ValueError(f"`z_loss` must be a finite number >= 0, got {z_loss!r}")
     outputs = ("logprobs",) + (("self_certainty",) if eps > 0 else ()) + (("logsumexp",) if z_loss > 0 else ())
-    results = dict(zip(outputs, run_head(
-        hidden, weight, targets, outputs, bias=bias, temperature=temperature, chunk_size=chunk_size,
-        ignore_index=ignore_index, mask=mask, logit_scale=logit_scale,
-        final_logit_softcapping=final_logit_softcapping, precision=precision,
-    )))
-    # Rows excluded by ignore_index / mask come back as exact zeros from run_head.
-    per_row = -results["logprobs"] if eps == 0 else -(1.0 - eps) * results["logprobs"] + eps * results["self_certainty"]
-    if z_loss > 0:
-        per_row = per_row + z_loss * results["logsumexp"].square()
+    common = dict(bias=bias, temperature=temperature, chunk_size=chunk_size, ignore_index=ignore_index, mask=mask,
+                  logit_scale=logit_scale, final_logit_softcapping=final_logit_softcapping, precision=precision)
+
+    def per_row(results: dict[str, Tensor]) -> Tensor:
+        loss = -results["logprobs"] if eps == 0 else -(1.0 - eps) * results["logprobs"] + eps * results["self_certainty"]
+        return loss + z_loss * results["logsumexp"].square() if z_loss > 0 else loss
+
     if reduction == "none":
-        return per_row
-    if reduction == "sum":
-        return per_row.sum()
-    counted = targets != ignore_index
-    m = check_mask(mask, hidden)
-    if m is not None:
-        counted = counted & m
-    return per_row.sum() / counted.sum().clamp_min(1).to(per_row.dtype)
+        # Rows excluded by ignore_index / mask come back as exact zeros from run_head.
+        return per_row(dict(zip(outputs, run_head(hidden, weight, targets, outputs, **common))))
+    count = None
+    if reduction == "mean":
+        counted = targets != ignore_index
+        m = check_mask(mask, hidden)
+        if m is not None:
+            counted = counted & m
+        count = counted.sum().clamp_min(1)
+
+    def share(results: dict[str, Tensor], _: dict[str, Tensor]) -> Tensor:
+        total = per_row(results).sum()
+        return total if count is None else total / count.to(total.dtype)
+
+    # A scalar: run_head makes its gradients in the forward where a backward will come (three head products, or
+    # two for a frozen head), and otherwise sums the rows of the tiled pass; the maths are per_row's either way.
+    return run_head(hidden, weight, targets, outputs, row_loss=share, **common)[0]

@@ -11,16 +11,19 @@ first matmul, so prompt and padding tokens cost neither time nor memory.
 
 This module holds the public ops, their argument handling (``run_head``) and the autograd Function;
 the tiled passes themselves are in ``_head_passes.py``, the tile planning and casting in ``_head_tiles.py``.
+A frozen head (``weight`` and ``bias`` needing no gradient) and scalar losses take the passes of
+``_forward_grads.py`` instead, which make their gradient products in the forward; :func:`choose_pass` decides.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lit_memopt.ops._forward_grads import FORWARD_GRAD_OUTPUTS, ForwardGradientLoss, FrozenHeadFunction, block_tiles
 from lit_memopt.ops._fused_tiles import use_fused_tiles
 from lit_memopt.ops._head_passes import _SUPER_BLOCK_ROW_TILES  # noqa: F401 (tests read the block size)
 from lit_memopt.ops._head_passes import (
@@ -61,6 +64,8 @@ __all__ = [
 ]
 
 _tile_sizes = tile_sizes  # the tiling policy under the name tests read
+# A scalar loss's share from some counted rows' outputs and their constants (see run_head).
+RowLoss = Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]
 
 class _LinearHeadFunction(torch.autograd.Function):
     """Per-row statistics of ``softmax(transform(hidden @ weight.T + bias))`` without materializing the logits.
@@ -126,16 +131,38 @@ class _LinearHeadFunction(torch.autograd.Function):
         return None, grad_h, grad_w, grad_b, None, None, None, None, None
 
 
+def choose_pass(outputs: tuple[str, ...], hidden: Tensor, weight: Tensor, bias: Optional[Tensor], scalar_loss: bool) -> str:
+    """The one place that picks a head call's pass: ``"loss"`` (gradients made in forward, three products or two),
+    ``"frozen"`` (a frozen head's directions made in forward, no product in backward) or ``"tiled"`` (the
+    recomputing pass of ``_head_passes.py``: one product without gradients, four with).
+
+    Gradients in forward only pay where a backward will come: grad mode on and some input needing a gradient.
+    A frozen head is one whose weight and bias need none while ``hidden`` does (LoRA).
+    """
+    need_h, need_w = hidden.requires_grad, weight.requires_grad
+    need_b = bias is not None and bias.requires_grad
+    if not torch.is_grad_enabled() or not (need_h or need_w or need_b) or not set(outputs) <= FORWARD_GRAD_OUTPUTS:
+        return "tiled"
+    if scalar_loss:
+        return "loss"
+    return "frozen" if need_h and not (need_w or need_b) else "tiled"
+
+
 def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs: tuple[str, ...], *,
              bias: Optional[Tensor] = None, temperature: float = 1.0, chunk_size: ChunkSize = None,
              ignore_index: int = -100, mask: Optional[Tensor] = None, logit_scale: float = 1.0,
              final_logit_softcapping: Optional[float] = None, precision: str = "auto",
              ref_hidden: Optional[Tensor] = None, ref_weight: Optional[Tensor] = None,
-             ref_bias: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+             ref_bias: Optional[Tensor] = None, row_loss: Optional[RowLoss] = None,
+             row_constants: Optional[dict[str, Tensor]] = None) -> tuple[Tensor, ...]:
     """Validate, drop rows that count for nothing, run the fused pass, and put rows back in place.
 
     Returns the requested ``outputs`` (names from :data:`OUTPUTS`), each fp32 with ``hidden``'s
     leading shape and 0 (no gradient) at rows excluded by ``ignore_index`` or ``mask``.
+
+    With ``row_loss`` it returns ``(loss,)`` instead: ``row_loss(outputs, constants)`` is the (differentiable)
+    scalar share of the loss of some counted rows, given their outputs and their slices of ``row_constants``
+    (tensors of ``hidden``'s leading shape). Which pass runs is :func:`choose_pass`'s decision.
     """
     # FSDP2-sharded (DTensor) head weights are gathered here, in their own dtype (ops/sharded.py).
     gathered_weight = gather_if_sharded(weight)
@@ -208,10 +235,25 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
     # On CUDA each pass of a call with one row tile is one compiled graph over all its vocabulary tiles (ops/_whole_pass.py).
     whole_tile = whole_pass_vocab_tile(fused, rows.device, counted, row_tile, widest, vocab, vocab_tile,
                                        explicit=chunk_size is not None)
-    spec = _HeadSpec(frozenset(outputs), transform, row_tile, whole_tile or vocab_tile, low_precision, fused,
-                     whole_pass=whole_tile is not None)
-    results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
+    constants = {}
+    for name, t in (row_constants or {}).items():
+        flat = t.reshape(-1)
+        constants[name] = flat if keep is None else flat.index_select(0, keep)
+    path = choose_pass(outputs, hidden, weight, bias, row_loss is not None)
+    if path != "tiled":
+        explicit = None if chunk_size is None else (row_tile, vocab_tile)
+        spec = _HeadSpec(frozenset(outputs), transform, *block_tiles(explicit, counted, vocab), low_precision, fused)
+        if path == "loss":
+            share = lambda r0, r1, out: row_loss(out, {k: v[r0:r1] for k, v in constants.items()})  # noqa: E731
+            return (ForwardGradientLoss.apply(spec, share, rows, weight, bias, flat_targets, keep),)
+        results = FrozenHeadFunction.apply(spec, rows, weight, bias, flat_targets, keep)
+    else:
+        spec = _HeadSpec(frozenset(outputs), transform, row_tile, whole_tile or vocab_tile, low_precision, fused,
+                         whole_pass=whole_tile is not None)
+        results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))
+    if row_loss is not None:  # the tiled pass's outputs of the counted rows, through the same loss maths
+        return (row_loss(by_name, constants),)
     shaped = []
     for name in outputs:
         out = by_name[name]

@@ -112,10 +112,15 @@ def tr_rpg_loss(
         raise ValueError(f"`clamp` must be a number > 0, got {clamp!r}")
 
     dtype = _compute_dtype(logp_new)
-    log_w = (logp_new.to(dtype) - logp_old.detach().to(dtype)).clamp(-clamp, clamp)
-    w = log_w.exp()
-    per_position = w * (beta * log_w - rewards.detach().to(dtype))
+    per_position = tr_rpg_per_position(logp_new.to(dtype), logp_old.detach().to(dtype), rewards.detach().to(dtype), beta, clamp)
     return _masked_mean(per_position, mask)
+
+
+def tr_rpg_per_position(new: Tensor, old: Tensor, rewards: Tensor, beta: float, clamp: float) -> Tensor:
+    """``w * (beta * log w - R)`` with ``log w = clamp(new - old)``: :func:`tr_rpg_loss` before its mean (and the
+    fused ``linear_policy_loss``'s, on blocks of rows)."""
+    log_w = (new - old).clamp(-clamp, clamp)
+    return log_w.exp() * (beta * log_w - rewards)
 
 
 LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
@@ -129,20 +134,43 @@ def _check_number(name: str, value: object, *, lower: float, strict: bool) -> fl
     return float(value)
 
 
+def token_weights(like: Tensor, mask: Optional[Tensor], loss_type: str, num_items_in_batch: Optional[float],
+                  max_completion_length: Optional[int]) -> Tensor:
+    """Each position's weight in the loss, ``like``'s shape and dtype: the GRPO variants (see :func:`ppo_clip_loss`)
+    all reduce per-token losses to ``sum(per_token * weights)``, weights that depend on the mask alone. The fused
+    ``linear_policy_loss`` needs them before it has seen every token."""
+    m = torch.ones_like(like) if mask is None else mask.to(like.dtype)
+    if loss_type == "grpo" and like.dim() == 2:
+        # mean over each sequence's own tokens, then over sequences
+        return m / (m.sum(-1, keepdim=True).clamp_min(1.0) * like.shape[0])
+    if loss_type == "dr_grpo":
+        length = max_completion_length if max_completion_length is not None else (like.shape[-1] if like.dim() == 2 else 1)
+        return m / (like.shape[0] * length)
+    if num_items_in_batch is not None:  # bnpo / dapo over a batch larger than this call sees
+        return m / num_items_in_batch
+    return m / m.sum().clamp_min(1.0)
+
+
 def _aggregate(per_token: Tensor, mask: Optional[Tensor], loss_type: str, num_items_in_batch: Optional[float],
                max_completion_length: Optional[int]) -> Tensor:
     """Reduce per-token losses the way each GRPO variant does (see :func:`ppo_clip_loss`)."""
-    m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
-    total = (per_token * m).sum()
-    if loss_type == "grpo" and per_token.dim() == 2:
-        # mean over each sequence's own tokens, then over sequences
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
-    if loss_type == "dr_grpo":
-        length = max_completion_length if max_completion_length is not None else (per_token.shape[-1] if per_token.dim() == 2 else 1)
-        return total / (per_token.shape[0] * length)
-    if num_items_in_batch is not None:  # bnpo / dapo over a batch larger than this call sees
-        return total / num_items_in_batch
-    return total / m.sum().clamp_min(1.0)
+    return (per_token * token_weights(per_token, mask, loss_type, num_items_in_batch, max_completion_length)).sum()
+
+
+def ppo_per_token(new: Tensor, log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
+                  ref_logp: Optional[Tensor], kl_coef: float) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``(per-token loss, ratio, k3)`` of :func:`ppo_clip_loss` before its reduction (and of the fused
+    ``linear_policy_loss``, on blocks of rows): the clipped surrogate plus ``kl_coef`` times k3."""
+    ratio = log_ratio.exp()
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages)
+    per_token = -surrogate.expand_as(new) if surrogate.shape != new.shape else -surrogate
+    k3 = None
+    if ref_logp is not None:
+        log_ref_ratio = ref_logp - new
+        k3 = log_ref_ratio.exp() - log_ref_ratio - 1.0
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * k3
+    return per_token, ratio, k3
 
 
 def ppo_clip_loss(
@@ -232,15 +260,8 @@ def ppo_clip_loss(
     if importance_sampling_level == "sequence" and new.dim() == 2:
         m = torch.ones_like(new) if mask is None else mask.to(dtype)
         log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1.0))
-    ratio = log_ratio.exp()
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    per_token = -surrogate.expand_as(new) if surrogate.shape != new.shape else -surrogate
-    k3 = None
-    if ref_logp is not None:
-        log_ref_ratio = ref_logp.detach().to(dtype) - new
-        k3 = log_ref_ratio.exp() - log_ref_ratio - 1.0
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * k3
+    ref = None if ref_logp is None else ref_logp.detach().to(dtype)
+    per_token, ratio, k3 = ppo_per_token(new, log_ratio, adv, eps_low, eps_high, ref, kl_coef)
     loss = _aggregate(per_token, mask, loss_type, num_items_in_batch, max_completion_length)
     if not return_metrics:
         return loss
