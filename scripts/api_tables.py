@@ -16,7 +16,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 # page -> (package, the public names in the order a reader meets them)
 TABLES = {
     "ops.md": ("lit_memopt.ops", ["linear_logprobs", "linear_entropy", "linear_logprobs_and_entropy",
-                                  "linear_self_certainty", "linear_kl", "linear_cross_entropy", "ppo_clip_loss",
+                                  "linear_self_certainty", "linear_kl", "linear_cross_entropy", "linear_policy_loss",
+                                  "ppo_clip_loss",
                                   "tr_rpg_loss", "topk_gumbel_softmax", "soft_embedding"]),
     "callbacks.md": ("lit_memopt.callbacks", ["MemoryMonitor", "EmptyCacheScheduler", "ActivationCheckpointing",
                                               "OOMRecovery"]),

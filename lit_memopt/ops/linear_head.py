@@ -269,7 +269,17 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
 # public ops
 # --------------------------------------------------------------------------------------------
 
-_COMMON_ARGS = """
+def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Optional[Tensor] = None,
+                    temperature: float = 1.0, chunk_size: ChunkSize = None, ignore_index: int = -100,
+                    mask: Optional[Tensor] = None, logit_scale: float = 1.0,
+                    final_logit_softcapping: Optional[float] = None, precision: str = "auto") -> Tensor:
+    """Log-probability of ``targets`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature)``.
+
+    Args:
+        hidden: ``[..., H]`` final hidden states (any float dtype, any leading dims; a DTensor weight is gathered).
+        weight: ``[V, H]`` LM-head weight (may be tied to the input embedding, may be an FSDP2 DTensor).
+        targets: ``[...]`` integer token ids; positions equal to ``ignore_index`` give 0 and no gradient.
+        ignore_index: target value that marks padding.
         bias: optional ``[V]`` head bias.
         temperature: logits are divided by this (> 0), after the softcap.
         chunk_size: ``None`` picks tiles from the shapes (and free CUDA memory); an int sets both
@@ -287,20 +297,6 @@ _COMMON_ARGS = """
             call compiles them; ``LIT_MEMOPT_FUSED_TILES=0`` keeps them eager, ``=1`` compiles them on a CPU too).
             On CUDA each pass of a call with one row tile is one compiled graph over all its vocabulary tiles
             (faster for small calls; ``LIT_MEMOPT_WHOLE_PASS=0`` calls the compiled tile kernels tile by tile).
-"""
-
-
-def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Optional[Tensor] = None,
-                    temperature: float = 1.0, chunk_size: ChunkSize = None, ignore_index: int = -100,
-                    mask: Optional[Tensor] = None, logit_scale: float = 1.0,
-                    final_logit_softcapping: Optional[float] = None, precision: str = "auto") -> Tensor:
-    """Log-probability of ``targets`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature)``.
-
-    Args:
-        hidden: ``[..., H]`` final hidden states (any float dtype, any leading dims; a DTensor weight is gathered).
-        weight: ``[V, H]`` LM-head weight (may be tied to the input embedding, may be an FSDP2 DTensor).
-        targets: ``[...]`` integer token ids; positions equal to ``ignore_index`` give 0 and no gradient.
-        ignore_index: target value that marks padding.{common}
     Returns:
         fp32 ``[...]`` log-probs (float64 for float64 inputs). Gradients come back in the inputs' dtypes.
 
@@ -389,6 +385,3 @@ def linear_kl(hidden: Tensor, weight: Tensor, ref_hidden: Tensor, ref_weight: Te
                     mask=mask, logit_scale=logit_scale, final_logit_softcapping=final_logit_softcapping,
                     precision=precision, ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias)[0]
 
-
-for _op in (linear_logprobs,):
-    _op.__doc__ = _op.__doc__.format(common=_COMMON_ARGS.rstrip())

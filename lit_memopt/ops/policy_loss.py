@@ -54,13 +54,16 @@ def linear_policy_loss(
     tokens of a sequence; it runs as the two calls above (a stated fallback, four head products).
 
     Args:
-        hidden, weight, targets, bias, temperature, logit_scale, final_logit_softcapping, chunk_size, precision: as
-            in :func:`lit_memopt.ops.linear_logprobs`; ``hidden`` is ``[B, T, H]`` (or ``[N, H]``). Rows whose target
-            is -100 count for nothing, as rows outside ``mask`` do.
-        logp_old, advantages, mask, ref_logp, kl_coef, clip_eps, clip_eps_high, loss_type,
-            importance_sampling_level, num_items_in_batch, max_completion_length: as in
-            :func:`lit_memopt.ops.ppo_clip_loss`, with ``hidden``'s leading shape.
-        beta, clamp: as in :func:`lit_memopt.ops.tr_rpg_loss` (``objective="tr_rpg"``; per-token rewards or one per sequence).
+        hidden: ``[B, T, H]`` (or ``[N, H]``) final hidden states. This and ``weight``, ``targets``, ``bias``,
+            ``temperature``, ``logit_scale``, ``final_logit_softcapping``, ``chunk_size`` and ``precision`` are as
+            in :func:`lit_memopt.ops.linear_logprobs`. Rows whose target is -100 count for nothing, as rows
+            outside ``mask`` do.
+        logp_old: the sampling policy's log-probs, ``hidden``'s leading shape. This and ``advantages``, ``mask``,
+            ``ref_logp``, ``kl_coef``, ``clip_eps``, ``clip_eps_high``, ``loss_type``, ``importance_sampling_level``,
+            ``num_items_in_batch`` and ``max_completion_length`` are as in :func:`lit_memopt.ops.ppo_clip_loss`.
+        objective: ``"ppo_clip"`` or ``"tr_rpg"``.
+        beta: as in :func:`lit_memopt.ops.tr_rpg_loss`, with ``clamp`` (``objective="tr_rpg"``; per-token rewards
+            or one per sequence).
 
     Returns:
         A scalar (fp32; float64 for float64 inputs).
