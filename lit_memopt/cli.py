@@ -7,6 +7,7 @@ caught before anything is built and reported in one line that lists the valid ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -19,11 +20,12 @@ from lit_memopt._extras import require_extra
 
 require_extra("recipes", __name__, one_line_exit=True)  # without Hydra and the recipes: one line, no traceback
 PROG = "lit-memopt"
-HYDRA_COMMANDS = ("fit", "validate", "estimate")
+HYDRA_COMMANDS = ("fit", "validate", "estimate", "plan")
 COMMAND_HELP = {
     "fit": "train a recipe:            lit-memopt fit recipe=sft [overrides]",
     "validate": "validate from a checkpoint: lit-memopt validate recipe=sft ckpt_path=/path/last.ckpt",
     "estimate": "predict peak memory:       lit-memopt estimate recipe=grade model=qwen3_4b [gpu_memory=80GiB]",
+    "plan": "the fastest setup that fits: lit-memopt plan recipe=sft model=qwen3_4b gpu_memory=24GiB",
     "export": "export to Hugging Face:    lit-memopt export ckpt_path=RUN/checkpoints/last.ckpt out=DIR [lora=adapter]",
     "benchmark": "run the benchmarks:        lit-memopt benchmark [--quick]",
 }
@@ -316,6 +318,7 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
     if command == "validate" and not cfg.get("ckpt_path"):
         raise UsageError("validate needs a checkpoint: add ckpt_path=/path/to/last.ckpt (or ckpt_path=last)")
     check_world_size(cfg)
+    budget_value = _memory_budget_value(cfg)  # a bad memory_budget= is one line before anything is built
     ckpt_path = resolve_ckpt_path(cfg, run_dir, command)
     # built before the model: a bad `checkpoint:` setting is one line before anything heavy runs
     checkpointing = checkpoint_callbacks(cfg, run_dir) if cfg.trainer.get("enable_checkpointing", True) else []
@@ -336,17 +339,24 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
         from lit_memopt._progress import StepAwareProgressBar
 
         callbacks.append(StepAwareProgressBar(leave=True))
+    budget = _training_budget(cfg, budget_value, module)
     trainer = instantiate(cfg.trainer, _partial_=True)(callbacks=callbacks, logger=run.logger)
 
     started = time.perf_counter()
-    if command == "fit":
-        if cfg.get("validate_first") and not ckpt_path:
-            # The held-out numbers the run starts from (after the module's warm start, which runs in setup).
-            trainer.validate(module, datamodule=datamodule, verbose=False)
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    else:
-        trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    with budget if budget is not None else contextlib.nullcontext():
+        if command == "fit":
+            if cfg.get("validate_first") and not ckpt_path:
+                # The held-out numbers the run starts from (after the module's warm start, which runs in setup).
+                trainer.validate(module, datamodule=datamodule, verbose=False)
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        else:
+            trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path)
     elapsed = time.perf_counter() - started
+    if budget is not None and trainer.is_global_zero:
+        from lit_memopt.memory.units import format_bytes
+
+        print(f"memory_budget: peak {format_bytes(budget.peak_bytes)} of {format_bytes(budget.budget_bytes or 0)} "
+              f"(live tensor bytes, not the CUDA allocator); simulated out-of-memory errors: {budget.num_ooms}")
     result = summary.collect(trainer, module, run_dir=run_dir, seconds=elapsed, command=command)
     if trainer.is_global_zero:
         print_summary(result)
@@ -355,6 +365,33 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
 
         export_after_fit(cfg, module, is_global_zero=trainer.is_global_zero)  # every rank: FSDP2 gathers the weights
     return result
+
+
+def _memory_budget_value(cfg: Any) -> Any:
+    """``memory_budget`` as given (``None``: off), checked to be a memory size."""
+    value = cfg.get("memory_budget")
+    if value is not None:
+        from lit_memopt.memory.search import parse_memory_size
+
+        parse_memory_size(value, key="memory_budget")
+    return value
+
+
+def _training_budget(cfg: Any, value: Any, module: Any) -> Any:
+    """``fit ... memory_budget=200MiB``: the ``memory.budget`` simulator the run trains under (``None``: off).
+
+    On a CPU run the weights built so far are its baseline; on a GPU only CUDA tensors count, and the
+    weights are counted as they are copied to the device inside ``fit``.
+    """
+    if value is None:
+        return None
+    import torch
+
+    from lit_memopt.memory.budget import training_budget
+
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    return training_budget(value, module) if on_cpu else training_budget(value, device="cuda")
 
 
 def _make_task(command: str, relaunch_argv: list[str]) -> Callable[[Any], Any]:
@@ -366,6 +403,13 @@ def _make_task(command: str, relaunch_argv: list[str]) -> Callable[[Any], Any]:
                 from lit_memopt.cli_estimate import run_estimate_command
 
                 return run_estimate_command(cfg)
+            if command == "plan":
+                from lit_memopt.cli_plan import run_plan_command
+
+                code = run_plan_command(cfg, [a for a in relaunch_argv[2:] if not a.startswith("-")])
+                if code:
+                    raise SystemExit(code)  # nothing fits: exit code 2, after the "does not fit" line
+                return code
             return _run_training(cfg, command)
         except Exception as exc:  # noqa: BLE001 - config mistakes become one line, the rest re-raises
             message = _user_error_message(exc)
@@ -453,7 +497,7 @@ def console_main() -> None:
     output, so after flushing it the process ends without that teardown (as mypy does).
     """
     code = main()
-    if sys.argv[1:2] == ["estimate"]:
+    if sys.argv[1:2] in (["estimate"], ["plan"]):
         import logging
 
         logging.shutdown()

@@ -229,6 +229,9 @@ class _Estimator:
         self.cfg = cfg
         self.check = check
         self.per_rank = per_rank
+        # One micro-batch of several (trainer.accumulate_grad_batches > 1): gradients are live from the start.
+        self.accumulating = _accumulates(cfg)
+        self.optimizer_foreach = True  # the peak reported is a CUDA device's: foreach is its default
         self.notes: list[str] = []
         from hydra.utils import instantiate
 
@@ -268,8 +271,8 @@ class _Estimator:
     def _estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
         if rows in self.cache:
             return self.cache[rows]
-        # The peak reported is a CUDA device's: foreach is its default.
-        kwargs: dict[str, Any] = {"optimizer_foreach": True, "worst_case_filler": self.worst_case_filler}
+        kwargs: dict[str, Any] = {"optimizer_foreach": self.optimizer_foreach, "worst_case_filler": self.worst_case_filler,
+                                  "accumulating": self.accumulating}
         est = None
         if self.blocks is not None:
             try:
@@ -287,6 +290,12 @@ class _Estimator:
             est.num_blocks = self.total_blocks
         self.cache[rows] = est
         return est
+
+
+def _accumulates(cfg: Any) -> bool:
+    trainer = cfg.get("trainer") or {}
+    value = trainer.get("accumulate_grad_batches", 1)
+    return isinstance(value, int) and not isinstance(value, bool) and value > 1
 
 
 def _cpu_seconds() -> float:
@@ -422,3 +431,10 @@ def run_estimate_command(cfg: Any) -> EstimateReport:
     report = estimate_recipe(cfg)
     render_report(report)
     return report
+
+
+# The same building and tracing, under public names, for `lit-memopt plan` (lit_memopt/cli_plan.py).
+RecipeEstimator = _Estimator
+estimate_options = _options
+recipe_batch = _recipe_batch
+cpu_seconds = _cpu_seconds

@@ -15,7 +15,7 @@ import torch
 from lit_memopt._compat.torch import TorchDispatchMode, is_traceable_wrapper_subclass, storage_key, tree_flatten
 from lit_memopt.memory.units import format_bytes
 
-__all__ = ["MemoryBudget", "memory_budget", "storage_bytes"]
+__all__ = ["MemoryBudget", "memory_budget", "storage_bytes", "training_budget"]
 
 # The CUDA caching allocator rounds every block up to 512 bytes; mirroring it keeps budgets
 # measured on CPU meaningful for CUDA and vice versa.
@@ -297,3 +297,31 @@ def memory_budget(
     """
     return MemoryBudget(budget_bytes, device=device, baseline_bytes=baseline_bytes)
 
+
+
+def training_budget(value: Any, *objs: Any, device: str | torch.device | None = None, key: str = "memory_budget") -> MemoryBudget | None:
+    """The :class:`MemoryBudget` that ``lit-memopt fit ... memory_budget=200MiB`` trains under, or ``None`` for ``None``.
+
+    ``value`` is a size as text (``200MiB``, ``2GiB``, ``5e8``; see :func:`~lit_memopt.memory.search.parse_memory_size`).
+    The tensors of ``objs`` that exist now (the module's weights, built before ``fit``) are the baseline, so
+    the budget reads like a device's whole memory: weights, gradients, optimizer states, activations,
+    temporaries and batches, all as live tensor bytes. It is not the CUDA caching allocator: no block
+    rounding on CPU, no cached-but-free segments, no CUDA context; compare a budget with an estimate's
+    *allocated* peak, not its reserved one.
+
+    Raises:
+        ValueError: ``value`` is not a memory size (one line naming ``key``).
+    """
+    if value is None:
+        return None
+    # parse_memory_size lives with the search that reads gpu_memory; imported here to keep this module's imports light
+    from lit_memopt.memory.search import parse_memory_size
+
+    size = parse_memory_size(value, key=key)
+    baseline = storage_bytes(*objs)
+    if size <= baseline:
+        raise ValueError(
+            f"{key}={value!r} ({format_bytes(size)}) is not more than the model's weights already built "
+            f"({format_bytes(baseline)}); give a larger budget"
+        )
+    return MemoryBudget(size, device=device, baseline_bytes=baseline)

@@ -1,0 +1,312 @@
+"""``lit-memopt plan``'s search: the fastest configuration of a recipe whose predicted peak fits a memory size.
+
+The levers searched keep the maths of a step exact:
+
+- the micro-batch ``m`` with gradient accumulation ``G / m``, where ``G`` (the recipe's rows per rank and
+  optimizer step) stays the same, so the global batch does;
+- activation checkpointing of every decoder block (the module's own switch);
+- the data-parallel strategy: FSDP2 instead of DDP over the same devices, or the reverse.
+
+Memory comes from the estimator through a ``trace(checkpointing, rows, accumulating)`` function (one
+single-device :class:`PeakEstimate` at the real block count, itself extrapolated from 1 and 2 blocks);
+traces are shared: per checkpointing setting the step is traced at the recipe's batch (no accumulation)
+and at the smallest and largest accumulating micro-batch, and every micro-batch between them is the line
+through those two (a step's live bytes are affine in its rows). DDP and FSDP2 are arithmetic on a trace
+(``memory.sharding``). The best candidates found by interpolation are traced again before they are
+reported, and every number says which it is. Time comes from ``memory.plan_time``.
+
+Dominance pruning: a fitting plan that is not faster than a plan with a smaller peak is dropped from
+the table. Ties are broken by fewer changed levers, then by the candidate's fields, so the output is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lit_memopt.memory.blocks import extrapolate
+from lit_memopt.memory.plan_time import DeviceSpec, StepWork, step_seconds
+from lit_memopt.memory.sharding import per_rank_estimate
+from lit_memopt.memory.step import PeakEstimate
+
+__all__ = ["RETRACE", "Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "search_plans", "state_floor"]
+
+# How many of the best interpolated candidates are traced again per round before the answer is trusted.
+RETRACE = 3
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One configuration: ``micro_batch`` rows per forward, ``accumulation`` micro-batches per optimizer step."""
+
+    micro_batch: int
+    accumulation: int
+    checkpointing: bool
+    strategy: str  # single | ddp | fsdp2
+
+
+@dataclass(frozen=True)
+class RecipeShape:
+    """What the search needs to know of the recipe as given.
+
+    Attributes:
+        rows: rows of one loader batch per rank (``data.batch_size``).
+        accumulation: the recipe's ``trainer.accumulate_grad_batches``.
+        checkpointing: the recipe's checkpointing setting (``None``: the module has no such switch).
+        strategy / world_size / nodes: as given on the command line (``single`` on one device).
+        blocks: decoder blocks of the model.
+        tokens_per_row: positions one row runs through the model (prompt and generated tokens).
+        dtype_bytes: bytes per parameter element (2 for bf16).
+    """
+
+    rows: int
+    accumulation: int
+    checkpointing: bool | None
+    strategy: str
+    world_size: int
+    nodes: int
+    blocks: int
+    tokens_per_row: float
+    dtype_bytes: int
+
+    @property
+    def global_rows(self) -> int:
+        return self.rows * self.accumulation
+
+    @property
+    def recipe(self) -> Candidate:
+        return Candidate(self.rows, self.accumulation, bool(self.checkpointing), self.strategy)
+
+
+@dataclass
+class Prediction:
+    """A candidate's predicted per-rank peak (reserved, or live bytes on ``plan.device=cpu``) and step time."""
+
+    candidate: Candidate
+    peak_bytes: int
+    seconds: float
+    traced: bool
+    estimate: PeakEstimate
+    relative_time: float = 1.0
+    # lever name -> (bytes saved against the recipe's value of that lever, relative time cost)
+    levers: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+
+@dataclass
+class PlanResult:
+    """What ``lit-memopt plan`` found. ``plans``: the fitting, non-dominated plans, fastest first."""
+
+    shape: RecipeShape
+    memory_bytes: int
+    usable_bytes: int
+    margin: float
+    device: DeviceSpec
+    plans: list[Prediction]
+    closest: Prediction  # the smallest peak of all candidates (every lever)
+    fastest_not_fitting: Prediction | None
+    recipe: Prediction
+    traces: int
+    floor_bytes: int = 0  # live bytes of the optimizer step that no exact lever changes (a lower bound on every plan)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.plans)
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.plans[0] if self.plans else None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def changed_levers(c: Candidate, recipe: Candidate) -> list[str]:
+    """The levers of ``c`` that differ from the recipe's, in a fixed order."""
+    out = []
+    if (c.micro_batch, c.accumulation) != (recipe.micro_batch, recipe.accumulation):
+        out.append("micro-batch")
+    if c.checkpointing != recipe.checkpointing:
+        out.append("checkpointing")
+    if c.strategy != recipe.strategy:
+        out.append("strategy")
+    return out
+
+
+def _revert(c: Candidate, lever: str, recipe: Candidate) -> Candidate:
+    if lever == "micro-batch":
+        return dataclasses.replace(c, micro_batch=recipe.micro_batch, accumulation=recipe.accumulation)
+    if lever == "checkpointing":
+        return dataclasses.replace(c, checkpointing=recipe.checkpointing)
+    return dataclasses.replace(c, strategy=recipe.strategy)
+
+
+class _Traces:
+    """Single-device estimates by ``(checkpointing, rows, accumulating)``, traced once each."""
+
+    def __init__(self, trace: Callable[[bool, int, bool], PeakEstimate]) -> None:
+        self._trace = trace
+        self.done: dict[tuple[bool, int, bool], PeakEstimate] = {}
+
+    def get(self, ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
+        key = (ckpt, rows, acc)
+        if key not in self.done:
+            self.done[key] = self._trace(ckpt, rows, acc)
+        return self.done[key]
+
+    def probes(self, ckpt: bool, acc: bool) -> list[int]:
+        return sorted(r for (c, r, a) in self.done if c == ckpt and a == acc)
+
+
+def search_plans(
+    trace: Callable[[bool, int, bool], PeakEstimate],
+    shape: RecipeShape,
+    memory_bytes: int,
+    *,
+    device: DeviceSpec,
+    margin: float,
+    use_reserved: bool = True,
+) -> PlanResult:
+    """Search the exact levers of ``shape`` for the fastest plan whose peak fits ``memory_bytes * (1 - margin)``.
+
+    Args:
+        trace: ``(checkpointing, rows, accumulating) -> PeakEstimate`` of one device at the real block count.
+        shape: the recipe as given.
+        memory_bytes: memory per device.
+        device: the step-time model's rates.
+        margin: share of ``memory_bytes`` kept free.
+        use_reserved: compare the CUDA allocator's reserved peak (GPUs); ``False``: live tensor bytes (the
+            ``memory_budget`` simulator of a CPU run).
+    """
+    usable = int(memory_bytes * (1.0 - margin))
+    traces = _Traces(trace)
+    recipe = shape.recipe
+    g = shape.global_rows
+    sizes = divisors(g)
+    checkpointing = [recipe.checkpointing] if shape.checkpointing is None else sorted({recipe.checkpointing, True})
+    strategies = [shape.strategy] if shape.world_size <= 1 else sorted({shape.strategy, "ddp", "fsdp2"} - {"single"})
+    candidates = sorted(Candidate(m, g // m, ck, st) for m in sizes for ck in checkpointing for st in strategies)
+    # The recipe's own parameter counts (for the time model), from its trace.
+    base = traces.get(recipe.checkpointing, g, False) if recipe.accumulation == 1 else traces.get(recipe.checkpointing, recipe.micro_batch, True)
+    work = _work_from(base, shape)
+
+    def predict(c: Candidate, *, exact: bool = False) -> Prediction:
+        acc = c.accumulation > 1
+        key = (c.checkpointing, c.micro_batch, acc)
+        if exact or key in traces.done:
+            est, traced = traces.get(*key), True
+        else:
+            est, traced = _interpolate(traces, c.checkpointing, c.micro_batch, acc), False
+        if c.strategy != "single":
+            est = per_rank_estimate(est, c.strategy, shape.world_size)
+        peak = int(est.reserved_peak_bytes or est.peak_bytes) if use_reserved else int(est.peak_bytes)
+        seconds = step_seconds(dataclasses.replace(
+            work, tokens=c.micro_batch * shape.tokens_per_row, micro_batches=c.accumulation,
+            recompute=1.0 if c.checkpointing else 0.0, strategy=c.strategy), device)
+        return Prediction(c, peak, seconds, traced, est)
+
+    def order(p: Prediction) -> tuple:
+        return (round(p.seconds, 12), len(changed_levers(p.candidate, recipe)), p.peak_bytes, p.candidate)
+
+    # Probes: the recipe's batch unaccumulated, and the ends of the accumulating range, per checkpointing setting.
+    def probe(ckpt: bool) -> None:
+        traces.get(ckpt, g, False)
+        accumulating = [m for m in sizes if m < g]
+        if accumulating:
+            traces.get(ckpt, accumulating[0], True)
+            traces.get(ckpt, accumulating[-1], True)
+
+    # Cheapest answers first. The recipe fits: nothing else can be faster (every lever adds work), so its own
+    # trace is the answer. The step with every lever does not fit: nothing does. Otherwise trace the rest.
+    recipe_fits = predict(recipe, exact=True).peak_bytes <= usable
+    floor = min(state_floor(predict(dataclasses.replace(recipe, strategy=s)).estimate) for s in strategies)
+    if not recipe_fits and floor > usable:
+        # The optimizer step holds the weights, gradients, states and the update's temporaries whatever the
+        # micro-batch or checkpointing: when they alone pass the budget, no exact lever can help (one trace).
+        candidates = [dataclasses.replace(recipe, strategy=s) for s in strategies]
+    elif recipe_fits:
+        sizes = [recipe.micro_batch]
+        candidates = [c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)]
+    else:
+        smallest = Candidate(sizes[0], g // sizes[0], max(checkpointing), recipe.strategy)
+        if all(predict(dataclasses.replace(smallest, strategy=s), exact=True).peak_bytes > usable for s in strategies):
+            candidates = [dataclasses.replace(smallest, strategy=s) for s in strategies] + [
+                dataclasses.replace(recipe, strategy=s) for s in strategies]
+        else:
+            for ck in checkpointing:
+                probe(ck)
+    preds = {c: predict(c) for c in candidates}
+    # Trace the best interpolated candidates (and the fastest that does not fit, the plan's tightness) until the
+    # fastest fitting plan rests on a trace of its own.
+    for _ in range(len(candidates)):
+        ranked = sorted(preds.values(), key=order)
+        fitting = [p for p in ranked if p.peak_bytes <= usable]
+        todo = [p.candidate for p in fitting[:RETRACE] if not p.traced]
+        missing = next((p for p in ranked if p.peak_bytes > usable), None)
+        if missing is not None and not missing.traced:
+            todo.append(missing.candidate)
+        if not todo:
+            break
+        for c in todo:
+            for other in candidates:  # a trace serves every strategy of the same step
+                if (other.checkpointing, other.micro_batch, other.accumulation) == (c.checkpointing, c.micro_batch, c.accumulation):
+                    preds[other] = predict(other, exact=True)
+    ranked = sorted(preds.values(), key=order)
+    recipe_pred = preds[recipe]
+    for p in ranked:
+        p.relative_time = p.seconds / recipe_pred.seconds
+    fitting = [p for p in ranked if p.peak_bytes <= usable]
+    plans: list[Prediction] = []
+    for p in fitting:  # fastest first: keep a plan only if it needs less memory than every faster one
+        if not plans or p.peak_bytes < min(q.peak_bytes for q in plans):
+            plans.append(p)
+    for p in plans:
+        for lever in changed_levers(p.candidate, recipe):
+            ref = preds.get(_revert(p.candidate, lever, recipe))
+            if ref is not None:
+                p.levers[lever] = (ref.peak_bytes - p.peak_bytes, p.seconds / ref.seconds - 1.0)
+    # the closest plan: the fastest of those within 1% of the smallest peak (peaks an optimizer step dominates tie)
+    least = min(p.peak_bytes for p in ranked)
+    closest = next(p for p in ranked if p.peak_bytes <= least * 1.01)
+    not_fitting = next((p for p in ranked if p.peak_bytes > usable), None)
+    return PlanResult(shape, memory_bytes, usable, margin, device, plans, closest, not_fitting, recipe_pred,
+                      len(traces.done), floor)
+
+
+def state_floor(est: PeakEstimate) -> int:
+    """Bytes of the optimizer step that no exact lever changes: model state, the update's temporaries, collectives."""
+    step = est.phase_breakdowns.get("optimizer step") or {}
+    return int(sum(step.get(k, 0) for k in ("parameters", "gradients", "optimizer_state", "temporaries", "communication")))
+
+
+def _interpolate(traces: _Traces, ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
+    """The estimate at ``rows`` on the line through the two nearest traced micro-batches of the same kind."""
+    probes = traces.probes(ckpt, acc)
+    if len(probes) < 2:
+        return traces.get(ckpt, rows, acc)
+    below = [r for r in probes if r <= rows]
+    above = [r for r in probes if r >= rows]
+    lo = below[-1] if below else probes[0]
+    hi = above[0] if above and above[0] != lo else next((r for r in probes if r > lo), probes[-1])
+    if lo == hi:
+        lo = probes[-2]
+    est = extrapolate([traces.done[(ckpt, lo, acc)], traces.done[(ckpt, hi, acc)]], (lo, hi), rows)
+    base = traces.done[(ckpt, hi, acc)]
+    return dataclasses.replace(est, num_blocks=base.num_blocks, batch_size=rows,
+                               method=f"{base.method}; interpolated in the micro-batch between {lo} and {hi} rows")
+
+
+def _work_from(est: PeakEstimate, shape: RecipeShape) -> StepWork:
+    step = est.phase_breakdowns.get("optimizer step") or est.breakdown
+    params = float(step.get("parameters", 0))
+    grads = float(step.get("gradients", 0)) or float(est.breakdown.get("gradients", 0))
+    # gradients are freed by zero_grad at the step's end: the trainable bytes are the optimizer's parameters,
+    # which its states (2 per parameter for Adam) measure when the gradient row reads 0
+    states = float(step.get("optimizer_state", 0))
+    trainable = grads if grads > 0 else states / 2.0
+    size = float(max(shape.dtype_bytes, 1))
+    return StepWork(parameters=params / size, trainable=trainable / size, parameter_bytes=params,
+                    trainable_bytes=trainable, optimizer_state_bytes=states, tokens=0.0, micro_batches=1,
+                    blocks=shape.blocks, world_size=shape.world_size, nodes=shape.nodes)

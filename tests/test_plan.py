@@ -1,0 +1,98 @@
+"""``memory.plan``'s search on a synthetic step (no tracing): sanity properties of the ranking.
+
+The trace function is arithmetic: model state, activations that grow with the rows and shrink with
+checkpointing, gradients live from the start when accumulating.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_memopt.memory.plan import Candidate, RecipeShape, changed_levers, search_plans
+from lit_memopt.memory.plan_time import DEVICES, StepWork, step_seconds
+from lit_memopt.memory.step import PeakEstimate
+
+MIB = 2**20
+PARAMS, STATES, ACT = 400 * MIB, 800 * MIB, 100 * MIB  # per row
+
+
+def _estimate(ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
+    act = rows * ACT // (4 if ckpt else 1)
+    fwd = {"parameters": PARAMS, "gradients": PARAMS if acc else 0, "optimizer_state": STATES, "activations": act,
+           "temporaries": rows * MIB, "other": rows * 1024, "communication": 0}
+    bwd = dict(fwd, gradients=PARAMS, activations=act // 2, temporaries=2 * rows * MIB)
+    step = {"parameters": PARAMS, "gradients": PARAMS, "optimizer_state": STATES, "activations": 0,
+            "temporaries": PARAMS // 4, "other": 0, "communication": 0}
+    phases = {"forward": fwd, "backward": bwd, "optimizer step": step}
+    peaks = {k: sum(v.values()) for k, v in phases.items()}
+    top = max(peaks, key=peaks.get)
+    return PeakEstimate(peak_bytes=peaks[top], breakdown=dict(phases[top]), peak_phase=top, phase_peaks=peaks, modules=[],
+                        batch_size=rows, seq_len=128, fake=True, seconds=0.0, phase_breakdowns=phases,
+                        reserved_peak_bytes=peaks[top] + 64 * MIB, num_blocks=8)
+
+
+SHAPE = RecipeShape(rows=16, accumulation=1, checkpointing=False, strategy="single", world_size=1, nodes=1, blocks=8,
+                    tokens_per_row=128, dtype_bytes=2)
+
+
+def _plan(memory: int, shape: RecipeShape = SHAPE):
+    return search_plans(_estimate, shape, memory, device=DEVICES["h100"], margin=0.1)
+
+
+def test_a_budget_that_does_not_bind_gives_the_recipe_unchanged() -> None:
+    result = _plan(80 * 2**30)
+    assert result.fits and result.best.candidate == SHAPE.recipe
+    assert changed_levers(result.best.candidate, SHAPE.recipe) == [] and result.best.relative_time == 1.0
+    assert result.traces == 1  # nothing else was traced: no other plan can be faster
+
+
+def test_more_memory_never_gives_a_slower_plan() -> None:
+    times = []
+    for gib in (2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.3, 8.0):
+        result = _plan(int(gib * 2**30))
+        assert result.fits, gib
+        times.append(result.best.seconds)
+    assert times == sorted(times, reverse=True), times
+    assert times[0] > times[-1]
+
+
+def test_the_table_is_a_pareto_front_and_levers_are_attributed() -> None:
+    result = _plan(int(2.4 * 2**30))
+    assert len(result.plans) >= 2
+    for faster, slower in zip(result.plans, result.plans[1:]):
+        assert faster.seconds <= slower.seconds and faster.peak_bytes > slower.peak_bytes
+    best = result.best
+    assert best.candidate.micro_batch * best.candidate.accumulation == SHAPE.global_rows
+    for lever, (saved, cost) in best.levers.items():
+        assert saved > 0 and cost >= 0, (lever, saved, cost)
+    assert result.fastest_not_fitting is not None and result.fastest_not_fitting.seconds <= best.seconds
+
+
+def test_deterministic() -> None:
+    one, two = _plan(int(2.6 * 2**30)), _plan(int(2.6 * 2**30))
+    assert [(p.candidate, p.peak_bytes, p.seconds) for p in one.plans] == [(p.candidate, p.peak_bytes, p.seconds) for p in two.plans]
+
+
+def test_impossible_budget() -> None:
+    result = _plan(int(1.8 * 2**30))  # the optimizer step alone holds 1700 MiB of weights, gradients, states, temporaries
+    assert not result.fits and result.best is None
+    assert result.floor_bytes == 2 * PARAMS + STATES + PARAMS // 4 and result.traces == 1
+
+
+def test_fsdp2_is_searched_over_the_given_devices() -> None:
+    shape = RecipeShape(rows=16, accumulation=1, checkpointing=False, strategy="ddp", world_size=8, nodes=1, blocks=8,
+                        tokens_per_row=128, dtype_bytes=2)
+    result = _plan(int(2.5 * 2**30), shape)
+    assert result.fits and result.best.candidate.strategy == "fsdp2"
+    assert "strategy" in result.best.levers
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_step_time_model_orders_the_levers(device: str) -> None:
+    spec = DEVICES[device]
+    work = StepWork(parameters=4e9, trainable=4e9, parameter_bytes=8e9, trainable_bytes=8e9, optimizer_state_bytes=16e9,
+                    tokens=16 * 2048, micro_batches=1, blocks=36)
+    base = step_seconds(work, spec)
+    assert step_seconds(StepWork(**{**work.__dict__, "recompute": 1.0}), spec) > base
+    assert step_seconds(StepWork(**{**work.__dict__, "tokens": 2048, "micro_batches": 16}), spec) > base
+    assert Candidate(1, 16, False, "single") < Candidate(2, 8, False, "single")  # a total order: deterministic ties

@@ -1,0 +1,96 @@
+"""``lit-memopt plan`` on the tiny recipes: the round trip through ``estimate``, the exit code when nothing fits, and
+the truth on a CPU: the planned command runs under ``fit memory_budget=B`` and the fastest plan predicted not to
+fit runs out of memory under the same budget.
+
+In this process (``cli.main``, ``compose_config``): an interpreter start with Lightning is ten seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lit_memopt import cli
+from lit_memopt.cli_estimate import estimate_recipe
+from lit_memopt.cli_plan import PlanTracer, plan_overrides, plan_recipe, recipe_shape
+from lit_memopt.memory.plan import state_floor, search_plans
+from lit_memopt.memory.plan_time import DEVICES
+
+FIT = ["trainer.max_steps=3", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+       "trainer.enable_checkpointing=false", "trainer.val_check_interval=null", "validate_first=false"]
+
+
+def _main(args: list[str]) -> int:
+    try:
+        return cli.main(args)
+    except SystemExit as exc:  # Hydra and the plan command end with sys.exit
+        return int(exc.code or 0)
+
+
+def test_round_trip_through_estimate() -> None:
+    # 100 MiB binds the tiny SFT step (178 MiB reserved as given): the plan accumulates and checkpoints
+    cfg = cli.compose_config(["recipe=sft", "gpu_memory=100MiB"])
+    result = plan_recipe(cfg)
+    best = result.best
+    assert best is not None and best.traced
+    overrides = plan_overrides(cfg, result, best)
+    assert overrides, "the budget binds: the plan changes something"
+    report = estimate_recipe(cli.compose_config(["recipe=sft", "gpu_memory=100MiB", *overrides]))
+    reserved = report.estimate.reserved_peak_bytes
+    assert reserved <= 100 * 2**20 * (1 - report.safety_margin)
+    assert abs(reserved - best.peak_bytes) <= 0.02 * best.peak_bytes, (reserved, best.peak_bytes)
+
+
+def test_impossible_budget_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = _main(["plan", "recipe=sft", "gpu_memory=20MiB", f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "does not fit: needs at least" in out and "with every lever" in out and "closest plan:" in out
+
+
+def _truth_plan(overrides: list[str], share: float):
+    """A CPU plan (live tensor bytes, no margin) under a budget ``share`` of the way from what no lever changes (the
+    optimizer step's model state) to the recipe's own predicted peak."""
+    cfg = cli.compose_config([*overrides, "plan.device=cpu", "safety_margin=0"])
+    tracer = PlanTracer(cfg, cpu_target=True)
+    memo: dict = {}
+
+    def trace(*key):  # the recipe's trace, made to size the budget, is not made again by the search
+        if key not in memo:
+            memo[key] = tracer(*key)
+        return memo[key]
+
+    try:
+        tracer.estimator(False)
+        shape = recipe_shape(cfg, tracer.batch, 4)
+        recipe = trace(False, shape.rows, shape.accumulation > 1)
+        floor = state_floor(recipe)
+        budget = int(floor + share * (recipe.peak_bytes - floor))
+        result = search_plans(trace, shape, budget, device=DEVICES["cpu"], margin=0.0, use_reserved=False)
+    finally:
+        tracer.close()
+    return cfg, result, budget
+
+
+@pytest.mark.parametrize(("overrides", "share"), [
+    (["recipe=sft"], 0.6),
+    (["recipe=grade", "module.max_new_tokens=8"], 0.6),
+    (["recipe=intuitor", "module.warm_start.steps=0", "module.max_new_tokens=6"], 0.6),
+], ids=["sft", "grade", "intuitor"])
+def test_plan_holds_and_is_tight_under_memory_budget(overrides: list[str], share: float, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    cfg, result, budget = _truth_plan(overrides, share)
+    assert result.fits and result.fastest_not_fitting is not None
+    best, tight = result.best, result.fastest_not_fitting
+    assert best.traced and tight.traced
+    capsys.readouterr()
+    code = _main(["fit", *overrides, *FIT, *plan_overrides(cfg, result, best), f"memory_budget={budget}",
+                  f"hydra.run.dir={tmp_path / 'fits'}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "simulated out-of-memory errors: 0" in out, out[-2000:]
+    # the fastest plan predicted not to fit does run out of memory (no OOMRecovery to rescue it)
+    code = _main(["fit", *overrides, *FIT, *plan_overrides(cfg, result, tight), f"memory_budget={budget}",
+                  "~callbacks.oom_recovery", f"hydra.run.dir={tmp_path / 'oom'}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "torch.OutOfMemoryError" in err, err[-2000:]
