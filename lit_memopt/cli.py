@@ -348,7 +348,10 @@ def _run_training(cfg: Any, command: str) -> dict[str, Any]:
             if cfg.get("validate_first") and not ckpt_path:
                 # The held-out numbers the run starts from (after the module's warm start, which runs in setup).
                 trainer.validate(module, datamodule=datamodule, verbose=False)
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            # Set before fit, not passed to it: Lightning runs the module's setup (where a warm start runs) before
+            # it records a ckpt_path argument, and a resumed run must see it there to skip the warm start.
+            trainer.ckpt_path = ckpt_path
+            trainer.fit(module, datamodule=datamodule)
         else:
             trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path)
     elapsed = time.perf_counter() - started

@@ -1,7 +1,8 @@
 """Recipes on FSDP2 (``trainer=fsdp2``: Lightning's ModelParallelStrategy, gloo, 2 CPU processes).
 
 Each module shards its decoder blocks and root in ``configure_model``; the recipe trains, its loss
-moves, the sharded checkpoint resumes, and a module without ``configure_model`` gets one clear line.
+moves, the sharded checkpoint resumes (after a SIGKILL, to the very weights of the run never stopped), and a module
+without ``configure_model`` gets one clear line.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import csv
 from pathlib import Path
 
 import pytest
+from _resume import assert_same_weights, checkpoint_state, kill_after, largest_difference, run
 from test_cli import run_cli
 
 FSDP2 = ["trainer=fsdp2", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
@@ -42,6 +44,36 @@ def test_sft_trains_on_fsdp2_and_resumes_from_the_sharded_checkpoint(tmp_path: P
     resumed_losses = _metric(resumed, "train/loss")
     # Only the 2 remaining steps ran, starting from the trained weights (below the first run's start).
     assert len(resumed_losses) == 2 and resumed_losses[0] < losses[0] - 0.5, (losses, resumed_losses)
+
+
+# 8 steps, a sharded checkpoint every 4 (all kept); no validation within them (sft validates every 50).
+SFT_RESUME = ["fit", "recipe=sft", *FSDP2, "trainer.max_steps=8", "checkpoint.every_n_steps=4", "checkpoint.keep_last=null",
+              "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(540)
+def test_sft_on_fsdp2_killed_with_sigkill_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """Two gloo ranks; every process of the run is killed after the step-4 checkpoint, as when a machine is lost. Each
+    launch runs under a deadline: a rank waiting forever in a collective fails the test."""
+    (tmp_path / "reference").mkdir()
+    reference = tmp_path / "reference" / "run"
+    run([*SFT_RESUME, f"hydra.run.dir={reference}"], tmp_path / "reference", timeout_s=150)
+    # the weights moved after the checkpoint the run resumes from: equality below is not vacuous
+    moved = largest_difference(reference / "checkpoints" / "step_000004.ckpt", reference / "checkpoints" / "step_000008.ckpt")
+    assert moved > 1e-5, moved
+
+    run_dir = tmp_path / "run"
+    kill_after([*SFT_RESUME, f"hydra.run.dir={run_dir}"], tmp_path, run_dir / "checkpoints" / "step_000004.ckpt",
+               timeout_s=150)
+    assert not (run_dir / "checkpoints" / "step_000008.ckpt").exists(), "the run finished before the kill"
+    output = run([*SFT_RESUME, "ckpt_path=last", f"hydra.run.dir={run_dir}"], tmp_path, timeout_s=150)
+    assert "Restored all states" in output and "dataloader is not resumable" not in output
+    final = run_dir / "checkpoints" / "step_000008.ckpt"
+    assert final.is_dir()  # sharded: each rank wrote its own part
+    assert_same_weights(final, reference / "checkpoints" / "step_000008.ckpt")
+    # rank zero's metadata holds both ranks' random generators, each rank resumed with its own
+    assert len(checkpoint_state(final)["callbacks"]["RandomState"]["ranks"]) == 2
 
 
 @pytest.mark.slow

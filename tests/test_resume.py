@@ -5,49 +5,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from _resume import assert_same_weights, checkpoint_state, kill_after, start, wait_for
 from test_cli import run_cli
 
 # A tiny SFT run: 12 steps, a checkpoint every 4, a validation at step 6 (the run spans both kinds of saves).
 SFT = ["fit", "recipe=sft", "trainer.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2",
        "trainer.val_check_interval=6", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
        "trainer.log_every_n_steps=1"]
-
-
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    log = open(cwd / "killed.log", "w")  # noqa: SIM115 - closed by the child's exit; a pipe could fill up and block it
-    return subprocess.Popen([sys.executable, "-m", "lit_memopt", *args], cwd=cwd, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-
-
-def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            pytest.fail(f"{path.name} never appeared (exit {process.returncode})")
-        time.sleep(0.02)
-
-
-def _state(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _assert_same_weights(a: Path, b: Path) -> None:
-    first, second = _state(a)["state_dict"], _state(b)["state_dict"]
-    assert first.keys() == second.keys()
-    worst = max((first[k].float() - second[k].float()).abs().max().item() for k in first)
-    assert worst <= 1e-6, f"largest weight difference {worst:g}"
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +36,14 @@ def test_checkpoints_during_the_run_keep_the_newest_and_link_last(uninterrupted:
     # saved at 4, 6 (validation), 8, 12; the newest two are kept
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step_000008.ckpt", "step_000012.ckpt"]
     assert os.readlink(folder / "last.ckpt") == "step_000012.ckpt"
-    assert _state(folder / "step_000012.ckpt")["global_step"] == 12
+    assert checkpoint_state(folder / "step_000012.ckpt")["global_step"] == 12
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkill_then_resume_gives_the_uninterrupted_weights(uninterrupted: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    process = _start([*SFT, f"hydra.run.dir={run_dir}"], tmp_path)
-    _wait_for(run_dir / "checkpoints" / "step_000008.ckpt", process, timeout_s=150)
-    process.send_signal(signal.SIGKILL)  # no handler, no save: what a lost machine looks like
-    process.wait()
+    kill_after([*SFT, f"hydra.run.dir={run_dir}"], tmp_path, run_dir / "checkpoints" / "step_000008.ckpt", timeout_s=150)
     assert not (run_dir / "checkpoints" / "step_000012.ckpt").exists(), "the run finished before the kill"
 
     result = run_cli([*SFT, "ckpt_path=last", f"hydra.run.dir={run_dir}"], tmp_path, timeout=200)
@@ -84,9 +51,10 @@ def test_sigkill_then_resume_gives_the_uninterrupted_weights(uninterrupted: Path
     assert "Restored all states" in result.stdout + result.stderr
     assert "dataloader is not resumable" not in result.stdout + result.stderr  # ResumableDataLoader: mid-epoch
     final = run_dir / "checkpoints" / "step_000012.ckpt"
-    _assert_same_weights(final, uninterrupted / "checkpoints" / "step_000012.ckpt")
+    assert_same_weights(final, uninterrupted / "checkpoints" / "step_000012.ckpt")
     # The callbacks' counters went on from the checkpoint: the same totals as the run that was never stopped.
-    resumed, reference = _state(final)["callbacks"], _state(uninterrupted / "checkpoints" / "step_000012.ckpt")["callbacks"]
+    resumed = checkpoint_state(final)["callbacks"]
+    reference = checkpoint_state(uninterrupted / "checkpoints" / "step_000012.ckpt")["callbacks"]
     assert resumed["OOMRecovery"] == reference["OOMRecovery"]
     for key in ("steps", "micro_batches", "samples"):
         assert resumed["MemoryMonitor"]["metrics"][key] == reference["MemoryMonitor"]["metrics"][key] == \
@@ -98,8 +66,8 @@ def test_sigkill_then_resume_gives_the_uninterrupted_weights(uninterrupted: Path
 def test_sigterm_saves_at_the_next_batch_and_stops_then_resume_auto_goes_on(uninterrupted: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*SFT, "resume=auto", f"hydra.run.dir={run_dir}"]
-    process = _start(args, tmp_path)
-    _wait_for(run_dir / "checkpoints" / "step_000004.ckpt", process, timeout_s=150)
+    process = start(args, tmp_path)
+    wait_for(run_dir / "checkpoints" / "step_000004.ckpt", process, timeout_s=150)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 0
     log = (tmp_path / "killed.log").read_text()
@@ -110,7 +78,7 @@ def test_sigterm_saves_at_the_next_batch_and_stops_then_resume_auto_goes_on(unin
     result = run_cli(args, tmp_path, timeout=200)  # the same command: it resumes by itself
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resume=auto: resuming from {run_dir / 'checkpoints' / f'step_{steps[-1]:06d}.ckpt'}" in result.stdout + result.stderr
-    _assert_same_weights(run_dir / "checkpoints" / "step_000012.ckpt", uninterrupted / "checkpoints" / "step_000012.ckpt")
+    assert_same_weights(run_dir / "checkpoints" / "step_000012.ckpt", uninterrupted / "checkpoints" / "step_000012.ckpt")
 
 
 def test_ckpt_path_last_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
@@ -132,6 +100,55 @@ def test_bad_checkpoint_settings_are_one_line(tmp_path: Path, override: str, exp
     err = result.stderr.strip().splitlines()
     assert err[-1].startswith("lit-memopt: error:") and expected in err[-1], err
     assert "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------- per-rank random generators
+def _rank_worker(rank: int, port: int) -> None:
+    """Each rank's generators differ (seeded with its rank); the saved states are gathered, each rank restores its own."""
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from lit_memopt.callbacks.random_state import RandomState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(100 + rank), np.random.seed(100 + rank), random.seed(100 + rank)
+        saved = RandomState().state_dict()  # on every rank together, as Lightning takes it at each save
+        expected = (torch.rand(3), np.random.rand(3), random.random())
+        assert len(saved["ranks"]) == 2 and not torch.equal(saved["ranks"][0]["torch"], saved["ranks"][1]["torch"])
+        torch.manual_seed(7), np.random.seed(7), random.seed(7)  # the fresh process of a resumed run
+        restored = RandomState()
+        restored.load_state_dict(saved)  # what every rank reads: rank zero's file holds the gathered states
+        restored.on_train_start(SimpleNamespace(global_rank=rank, world_size=2), None)
+        drawn = (torch.rand(3), np.random.rand(3), random.random())
+        assert torch.equal(drawn[0], expected[0]) and np.array_equal(drawn[1], expected[1]) and drawn[2] == expected[2]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_resumes_its_own_random_generators() -> None:
+    from _ranks import free_port, run_ranks
+
+    failure = run_ranks(_rank_worker, (free_port(),), nprocs=2, timeout_s=90)
+    assert failure is None, failure
+
+
+def test_a_checkpoint_of_one_flat_state_serves_every_rank() -> None:
+    from lit_memopt.callbacks.random_state import RandomState
+
+    torch.manual_seed(3)
+    flat = {k: v for k, v in RandomState().state_dict()["ranks"][0].items()}  # the layout before per-rank states
+    expected = torch.rand(4)
+    for rank in (0, 1):
+        torch.manual_seed(9)
+        callback = RandomState()
+        callback.load_state_dict(flat)
+        callback.on_train_start(SimpleNamespace(global_rank=rank, world_size=2), None)
+        assert torch.equal(torch.rand(4), expected)
 
 
 # ----------------------------------------------------------------------------- atomic writes

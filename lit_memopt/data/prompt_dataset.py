@@ -10,11 +10,11 @@ import random
 from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_memopt.data.loading import cache_file, hash_of, load_train_and_eval, require_datasets
+from lit_memopt.data.resumable import ResumableDataLoader
 from lit_memopt.models.tokens import left_pad, padding_id
 
 __all__ = ["PromptDatasetDataModule", "PromptCollate", "ANSWER_COLUMNS", "OVERLONG", "prompt_kind"]
@@ -335,11 +335,13 @@ class PromptDatasetDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
     def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
-        pad_id = padding_id(self.tokenizer)
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle,
-                          drop_last=shuffle and len(dataset) >= self.batch_size, num_workers=self.num_workers,
-                          generator=generator, collate_fn=PromptCollate(pad_id, self.answer_column, self.kwarg_columns))
+        collate = PromptCollate(padding_id(self.tokenizer), self.answer_column, self.kwarg_columns)
+        if shuffle:  # training: a resume goes on with the next batch of the same shuffle (seeded with data.seed)
+            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
+                                       drop_last=len(dataset) >= self.batch_size, num_workers=self.num_workers,
+                                       collate_fn=collate)
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                          collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")

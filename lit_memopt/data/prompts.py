@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lit_memopt.data.resumable import ResumableDataLoader
 from lit_memopt.models.tokens import left_pad
 
 # Word list the prompts are drawn from: plain lowercase English, so byte-level tokenizers see ordinary text.
@@ -129,13 +130,13 @@ class PromptDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
+        # The shuffle's generator is seeded with data.seed; a resume goes on with the next batch of the same shuffle.
+        return ResumableDataLoader(
             self.train_set,
+            seed=self.seed,
             batch_size=self.batch_size,
             shuffle=True,
             drop_last=len(self.train_set) >= self.batch_size,
-            generator=generator,
             num_workers=self.num_workers,
         )
 

@@ -7,10 +7,10 @@ import random
 import re
 from typing import Any, Callable
 
-import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lit_memopt.data.resumable import ResumableDataLoader
 from lit_memopt.models.tokens import left_pad, padding_id
 
 TASKS = ("add", "sub", "mul", "max", "copy", "reverse")
@@ -152,7 +152,8 @@ class ReasoningPromptsDataModule(LightningDataModule):
         max_word_length: longest word of the string tasks.
         min_word_length: shortest word of the string tasks (equal to ``max_word_length``: every answer
             has the same length, so a response cannot be rewarded for its length).
-        seed: generator seed; the same seed gives the same prompts.
+        seed: generator seed; the same seed gives the same prompts (and the same training shuffle, which a resume
+            replays mid-epoch).
         num_workers: DataLoader worker processes.
         warm_start_guess_rate: share of :meth:`warm_start_examples` answered with a random guess of the right kind
             and length (:func:`guess_like`) instead of the answer: a warm-started policy that knows the answers but
@@ -283,15 +284,14 @@ class ReasoningPromptsDataModule(LightningDataModule):
         return pairs
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        pad_id = padding_id(self.tokenizer)
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            num_workers=self.num_workers,
-            collate_fn=_LeftPadCollate(pad_id),
-        )
+        collate = _LeftPadCollate(padding_id(self.tokenizer))
+        if shuffle:
+            # The shuffle comes from the loader's own generator (data.seed), not the global one: a resume goes on
+            # with the next batch of the same shuffle.
+            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
+                                       drop_last=True, num_workers=self.num_workers, collate_fn=collate)
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                          collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

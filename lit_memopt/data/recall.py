@@ -21,6 +21,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lit_memopt.data.resumable import ResumableDataLoader
+
 IGNORE_INDEX = -100
 
 __all__ = ["RecallDataModule", "RecallDataset", "IGNORE_INDEX"]
@@ -101,7 +103,7 @@ class RecallDataModule(LightningDataModule):
         batch_size: sequences per batch.
         train_size: training samples per epoch (fresh ones each index: there is no reuse within an epoch).
         val_size: validation samples (disjoint seed).
-        seed: data seed.
+        seed: data seed (also of the training shuffle, which a resume replays mid-epoch).
         num_workers: DataLoader workers.
 
     Raises:
@@ -173,14 +175,14 @@ class RecallDataModule(LightningDataModule):
         if dataset is None:
             self.setup()
             return self._loader(self.train_set if shuffle else self.val_set, shuffle)
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            drop_last=shuffle,
-            persistent_workers=self.num_workers > 0,
-        )
+        if shuffle:
+            # The shuffle comes from the loader's own generator (data.seed), not the global one: a resume goes on
+            # with the next batch of the same shuffle.
+            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
+                                       num_workers=self.num_workers, drop_last=True,
+                                       persistent_workers=self.num_workers > 0)
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

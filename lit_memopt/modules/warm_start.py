@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -239,7 +240,10 @@ def warm_start_policy(model: torch.nn.Module, tokenizer: Any, examples: ExampleS
         message = f"warm start: {config.steps} supervised steps on the task family, loss {head:.3f} -> {tail:.3f}"
         if cache:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)
+            # Written beside, then renamed: a kill mid-write leaves the previous file (or none), never a torn one.
+            partial = path.with_name(path.name + ".tmp")
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, partial)
+            os.replace(partial, path)
             message += f"; weights cached at {path}"
     rank_zero_info(f"{describe} {message}")
     return message
