@@ -26,7 +26,15 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lit_memopt.ops._fused_tiles import _fold_tile, _tile_logit_gradient, finish_rows, fold_tile, start_rows, tile_logit_gradient
+from lit_memopt.ops._fused_tiles import (
+    _fold_tile,
+    _tile_logit_gradient,
+    finish_rows,
+    fold_tile,
+    row_outputs,
+    start_rows,
+    tile_logit_gradient,
+)
 from lit_memopt.ops._head_passes import OUTPUTS, _HeadSpec, _pass_rows, _row_tile, _RowGradients, _tile_math
 from lit_memopt.ops._head_tiles import TILE_ALIGN, is_fake, tile_starts
 
@@ -103,16 +111,12 @@ def forward_gradient_pass(spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias:
         stats = finish_rows(*state, vocab)
         block_targets = None if targets is None else targets[r0:r1]
         lse = stats["lse"]
-        block = {"logsumexp": lse}
         if block_targets is not None:  # the held block makes the target logit one gather
-            block["logprobs"] = z.gather(1, block_targets.unsqueeze(1)).squeeze(1) - lse
-        if "mu" in stats:
-            block["entropy"] = lse - stats["mu"]
-        if "mean_z" in stats:
-            block["self_certainty"] = lse - stats["mean_z"]
+            stats["target_z"] = z.gather(1, block_targets.unsqueeze(1)).squeeze(1)
+        block = row_outputs(stats, outputs)
         for name, out in outputs.items():
             out[r0:r1] = block[name]
-        coeff_sets = coefficients(r0, r1, {name: block[name] for name in outputs})
+        coeff_sets = coefficients(r0, r1, block)
         accs = [math_.ws.get(f"gh{k}", rows, size, min(rb, n) * size, stat).zero_() for k in range(sets)] if need_h else []
         for v0 in tile_starts(0, vocab, vt, values=values):
             v1 = min(v0 + vt, vocab)

@@ -1,25 +1,31 @@
-"""The per-tile softmax maths of the fused LM head as pure functions, compiled into fused kernels on CUDA.
+"""The per-tile maths of the fused LM head, written once as plain functions of tensors.
 
-Eagerly, folding one logits tile into the running softmax statistics takes about ten elementwise ops
-and as many passes over the tile, and building one tile's logit gradient as many again. On a GPU
-each op is a kernel launched from Python, and the pass is bound by that Python work per tile. With
-these functions compiled (``torch.compile``: a few fused kernels per tile) and tiles twice as large,
-bf16 log-probs at a Qwen3-4B head (8192 x 2560 x 151936, fwd+bwd, H200) took 57 ms against 104 ms
-for the eager tiles and 42 ms for the naive full-logits path
-(``benchmarks/results/peers_cuda_nvidia_h200.md``).
+Every head pass (the eager and compiled tiles of ``_head_passes.py``, the whole pass of ``_whole_pass.py`` and the
+gradient-in-forward passes of ``_forward_grads.py``) folds its logits tiles and builds its logit gradients with the
+functions here: the online-softmax update (:func:`fold_tile`), a tile's logit gradient
+(:func:`tile_logit_gradient`), the logit transform and its chain rule (:func:`transform_logits`,
+:func:`chain_to_raw`), and the per-row outputs of the finished statistics (:func:`row_outputs`). A pass either
+calls them eagerly or through their compiled versions (``torch.compile``); which, is settled per call by
+``linear_head.plan_pass`` from the switches of ``_settings.py``.
 
-The functions are the same maths as the eager code in ``linear_head.py`` (``_RunningSoftmax.update``
-and ``_logit_gradient_``), written without in-place tricks so that the compiler can fuse them; the
-tests run both on the same tiles. :func:`use_fused_tiles` decides where they run: on CUDA by
-default, never on fake tensors (the peak-memory estimator) nor on the CPU unless asked
-(compiling costs seconds, and the CPU's eager path is already bound by its exponentials).
+Why compile: eagerly, folding one logits tile into the running softmax statistics takes about ten elementwise ops
+and as many passes over the tile, and building one tile's logit gradient as many again. On a GPU each op is a
+kernel launched from Python, and the pass is bound by that Python work per tile. With these functions compiled (a
+few fused kernels per tile) and tiles twice as large, bf16 log-probs at a Qwen3-4B head (8192 x 2560 x 151936,
+fwd+bwd, H200) took 57 ms against 104 ms for the eager tiles and 42 ms for the naive full-logits path
+(``benchmarks/results/peers_cuda_nvidia_h200.md``). They are compiled on CUDA by default, never for fake tensors
+(the peak-memory estimator) nor on the CPU unless asked (compiling costs seconds, and the CPU's eager path is
+already bound by its exponentials).
+
+The tiled pass's eager tiles on the CPU still run their own in-place forms of :func:`fold_tile` and
+:func:`tile_logit_gradient` (``_head_passes._RunningSoftmax.update`` and ``_logit_gradient_``: tile buffers
+reused, ``exp2`` for ``exp``), for speed; the tests run both on the same tiles against float64 references.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from typing import Callable, Optional
 
@@ -27,20 +33,12 @@ import torch
 from torch import Tensor
 
 from lit_memopt._compat.torch import raised_recompile_limit
-
-# ``LIT_MEMOPT_FUSED_TILES``: "auto" (default: CUDA only), "1" (everywhere torch.compile works), "0" (never).
-_ENV = "LIT_MEMOPT_FUSED_TILES"
-_MODES = ("auto", "0", "1")
+from lit_memopt.ops._settings import FUSED_TILES_ENV, head_settings
 
 
 def use_fused_tiles(device: torch.device, fake: bool) -> bool:
-    """Whether the head's tiles run through the compiled functions on ``device``."""
-    mode = os.environ.get(_ENV, "auto")
-    if mode not in _MODES:
-        raise ValueError(f"{_ENV} must be one of {_MODES}, got {mode!r}")
-    if fake or mode == "0":
-        return False
-    return mode == "1" or device.type == "cuda"
+    """Whether the head's tiles run through the compiled functions on ``device`` (``LIT_MEMOPT_FUSED_TILES``)."""
+    return head_settings().compiled_tiles(device, fake)
 
 
 def compiled_once(fn: Callable, *, graphs: Optional[int] = None) -> Callable:
@@ -73,7 +71,7 @@ def compiled_once(fn: Callable, *, graphs: Optional[int] = None) -> Callable:
             warnings.warn(
                 f"lit_memopt: compiling the fused head's tile kernels failed ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); running them eagerly from now on "
-                f"(same results, slower on a GPU). Set {_ENV}=0 to skip the attempt.",
+                f"(same results, slower on a GPU). Set {FUSED_TILES_ENV}=0 to skip the attempt.",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -81,6 +79,47 @@ def compiled_once(fn: Callable, *, graphs: Optional[int] = None) -> Callable:
             return fn(*args, **kwargs)
 
     return call
+
+
+def transform_logits(raw: Tensor, softcap: Optional[float], logit_scale: float, inv_temperature: float, *,
+                     out: Optional[Tensor] = None) -> Tensor:
+    """``z = softcap(raw * logit_scale) / temperature`` with ``softcap(s) = cap * tanh(s / cap)``.
+
+    ``out=raw`` transforms a tile buffer in place (the eager tiles); ``None`` (compiled graphs) makes a new tensor.
+    """
+    if softcap is None:
+        scale = logit_scale * inv_temperature
+        return raw if scale == 1.0 else torch.mul(raw, scale, out=out)
+    capped = torch.tanh(torch.mul(raw, logit_scale / softcap, out=out), out=out)
+    return torch.mul(capped, softcap * inv_temperature, out=out)
+
+
+def chain_to_raw(grad_z: Tensor, z: Optional[Tensor], softcap: Optional[float], linear_scale: float,
+                 inv_temperature: float, *, out: Optional[Tensor] = None, scratch: Optional[Tensor] = None) -> Tensor:
+    """``d/draw`` from ``d/dz`` (the chain rule of :func:`transform_logits`); ``z`` is the transformed tile, needed
+    with a softcap only. ``out=grad_z`` works in place and ``scratch`` is a tile buffer for the slope (eager tiles)."""
+    if softcap is None:
+        return grad_z if linear_scale == 1.0 else torch.mul(grad_z, linear_scale, out=out)
+    # dz/draw = logit_scale / T * (1 - tanh^2), and tanh = z * T / cap
+    tanh = torch.mul(z, 1.0 / (softcap * inv_temperature), out=scratch)  # a new tensor or the scratch: ours to overwrite
+    slope = tanh.square_().neg_().add_(1.0)
+    return torch.mul(torch.mul(grad_z, slope, out=out), linear_scale, out=out)
+
+
+# Each per-row output from the finished statistics of :func:`finish_rows` (``target_z`` where a pass found it).
+_ROW_OUTPUTS: dict[str, Callable[[dict[str, Tensor]], Tensor]] = {
+    "logprobs": lambda s: s["target_z"] - s["lse"],
+    "entropy": lambda s: s["lse"] - s["mu"],
+    "self_certainty": lambda s: s["lse"] - s["mean_z"],
+    "kl": lambda s: s["mu_d"] - s["lse"] + s["ref_lse"],  # KL(p || q) = E_p[z - z_ref] - lse + lse_ref
+    "logsumexp": lambda s: s["lse"],
+}
+
+
+def row_outputs(stats: dict[str, Tensor], names) -> dict[str, Tensor]:
+    """The per-row outputs ``names`` (in that order) of a row tile's statistics; ``logsumexp`` is ``stats["lse"]``
+    itself, not a copy."""
+    return {name: _ROW_OUTPUTS[name](stats) for name in names}
 
 
 def _hits(z: Tensor, targets: Tensor, v0: int) -> Tensor:
@@ -164,11 +203,7 @@ def _tile_logit_gradient(z: Tensor, ref_z: Optional[Tensor], lse: Tensor, mu: Op
         grad = grad - uniform.unsqueeze(1)
     if g_lp is not None:
         grad = grad + torch.where(_hits(z, targets, v0), g_lp.unsqueeze(1), torch.zeros((), dtype=grad.dtype, device=grad.device))
-    if softcap is not None:  # dz/draw = logit_scale / T * (1 - tanh^2), tanh = z * T / cap
-        tanh = z * (1.0 / (softcap * inv_temperature))
-        grad = grad * (1.0 - tanh * tanh) * linear_scale
-    elif linear_scale != 1.0:
-        grad = grad * linear_scale
+    grad = chain_to_raw(grad, z, softcap, linear_scale, inv_temperature)
     return grad.to(out_dtype), (grad.sum(0) if want_column_sums else None)
 
 

@@ -2,13 +2,15 @@
 statistics per row, and the backward's logit-gradient tiles and their products into the hidden,
 weight and bias gradients. Each tile is one ``[row tile, vocab tile]`` block of logits, computed,
 used and dropped; the per-tile softmax maths run as eager ops or as compiled kernels
-(``_fused_tiles.py``, the CUDA default).
+(``_fused_tiles.py``, the CUDA default), and a call with one row tile may run each pass as one compiled
+graph (``_whole_pass.py``). ``linear_head.plan_pass`` settles which, in the spec (:class:`_HeadSpec`); a pass
+reads its tensors from :class:`HeadTensors` and the backward the forward's :class:`RowStatistics`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -41,6 +43,44 @@ class _HeadSpec:
 
     def wants(self, name: str) -> bool:
         return name in self.outputs
+
+
+@dataclass(frozen=True)
+class HeadTensors:
+    """The tensors one head pass reads: ``hidden`` rows ``[N, H]`` and the head, the rows' target ids (log-probs),
+    the reference's rows and head (KL) and ``keep``, the indices of the rows that count (``None``: all of them)."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor] = None
+    targets: Optional[Tensor] = None
+    ref_hidden: Optional[Tensor] = None
+    ref_weight: Optional[Tensor] = None
+    ref_bias: Optional[Tensor] = None
+    keep: Optional[Tensor] = None
+
+    @property
+    def rows(self) -> int:
+        """How many rows the pass computes (:func:`_pass_rows`)."""
+        return _pass_rows(self.hidden, self.keep)
+
+
+@dataclass(frozen=True)
+class RowStatistics:
+    """What the backward reads of the forward's per-row statistics: ``lse``, ``mu`` (= E_p[z], entropy) and
+    ``mu_d`` (= E_p[z - z_ref], KL); ``None`` where no output needs them."""
+
+    lse: Tensor
+    mu: Optional[Tensor] = None
+    mu_d: Optional[Tensor] = None
+
+
+class GradientsWanted(NamedTuple):
+    """Which of the head's gradients a backward makes (``ctx.needs_input_grad`` of hidden, weight and bias)."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
 
 
 class _NoAutocast:
@@ -134,31 +174,41 @@ class _RunningSoftmax:
 _STAT_OF_OUTPUT = (("target_z", "logprobs"), ("mu", "entropy"), ("mean_z", "self_certainty"), ("ref_lse", "kl"), ("mu_d", "kl"))
 
 
-def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                        targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
-                        ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
+def _stat_bias(math_: TileMath, bias: Optional[Tensor]) -> Optional[Tensor]:
+    """A head bias in the statistics dtype: added to fp32 logits tiles without a bf16 rounding of the sum."""
+    return None if bias is None else bias.to(math_.stat_dtype)
+
+
+def _forward_statistics(spec: _HeadSpec, math_: TileMath, t: HeadTensors) -> dict[str, Tensor]:
     """Per-row ``lse`` plus what the requested outputs need: ``target_z``, ``mu`` (= E_p[z]),
-    ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref]), for the rows ``keep`` (all when ``None``)."""
+    ``mean_z``, ``ref_lse`` and ``mu_d`` (= E_p[z - z_ref]), for the rows ``t.keep`` (all when ``None``)."""
+    bias, ref_bias = _stat_bias(math_, t.bias), _stat_bias(math_, t.ref_bias)
     if spec.whole_pass:
-        return _whole_forward_statistics(spec, math_, hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, keep)
-    n, vocab = _pass_rows(hidden, keep), weight.shape[0]
+        kl, transform = spec.wants("kl"), spec.transform
+        return whole_forward(
+            _counted(t.hidden, t.keep), t.weight, bias, t.targets if spec.wants("logprobs") else None,
+            _counted(t.ref_hidden, t.keep) if kl else None, t.ref_weight if kl else None, ref_bias if kl else None,
+            spec.vocab_tile, math_.matmul_dtype, math_.stat_dtype, math_.fp32_out,
+            transform.softcap, transform.logit_scale, transform.inv_temperature, spec.wants("entropy"),
+            spec.wants("self_certainty"))
+    n, vocab = t.rows, t.weight.shape[0]
     rt, vt = spec.row_tile, spec.vocab_tile
     # Only the statistics the requested outputs read (each is a kernel launch per call on a GPU).
     needed = {"lse"} | {stat for stat, output in _STAT_OF_OUTPUT if spec.wants(output)}
-    stats: dict[str, Tensor] = {k: hidden.new_zeros(n, dtype=math_.stat_dtype) for k in sorted(needed)}
-    values = not is_fake(hidden)
+    stats: dict[str, Tensor] = {k: t.hidden.new_zeros(n, dtype=math_.stat_dtype) for k in sorted(needed)}
+    values = not is_fake(t.hidden)
     for r0 in tile_starts(0, n, rt, values=values):
         r1 = min(r0 + rt, n)
-        h = _row_tile(math_, "h", hidden, keep, r0, r1)
-        ref_h = _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1) if ref_weight is not None else None
-        run = _RunningSoftmax(spec, r1 - r0, math_.stat_dtype, hidden.device)
+        h = _row_tile(math_, "h", t.hidden, t.keep, r0, r1)
+        ref_h = _row_tile(math_, "ref_h", t.ref_hidden, t.keep, r0, r1) if t.ref_weight is not None else None
+        run = _RunningSoftmax(spec, r1 - r0, math_.stat_dtype, t.hidden.device)
         for v0 in tile_starts(0, vocab, vt, values=values):
             v1 = min(v0 + vt, vocab)
-            z = math_.logits("z", h, math_.operand("w", weight[v0:v1], vt), bias, v0, v1)
+            z = math_.logits("z", h, math_.operand("w", t.weight[v0:v1], vt), bias, v0, v1)
             ref_z = None
             if ref_h is not None:
-                ref_z = math_.logits("ref_z", ref_h, math_.operand("ref_w", ref_weight[v0:v1], vt), ref_bias, v0, v1)
-            run.update(z, math_.stat_buffer("e", r1 - r0, v1 - v0), v0, None if targets is None else targets[r0:r1], ref_z)
+                ref_z = math_.logits("ref_z", ref_h, math_.operand("ref_w", t.ref_weight[v0:v1], vt), ref_bias, v0, v1)
+            run.update(z, math_.stat_buffer("e", r1 - r0, v1 - v0), v0, None if t.targets is None else t.targets[r0:r1], ref_z)
         for name, value in run.finish(vocab).items():
             stats[name][r0:r1] = value
     return stats
@@ -167,18 +217,6 @@ def _forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight
 def _counted(t: Optional[Tensor], keep: Optional[Tensor]) -> Optional[Tensor]:
     """The rows of ``t`` that reach the matmuls (all, or those in ``keep``); one row tile's worth in a whole pass."""
     return t if t is None or keep is None else t.index_select(0, keep)
-
-
-def _whole_forward_statistics(spec: _HeadSpec, math_: TileMath, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                              targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
-                              ref_bias: Optional[Tensor], keep: Optional[Tensor]) -> dict[str, Tensor]:
-    """:func:`_forward_statistics` as one compiled call (``_whole_pass.py``)."""
-    kl, transform = spec.wants("kl"), spec.transform
-    return whole_forward(
-        _counted(hidden, keep), weight, bias, targets if spec.wants("logprobs") else None,
-        _counted(ref_hidden, keep) if kl else None, ref_weight if kl else None, ref_bias if kl else None,
-        spec.vocab_tile, math_.matmul_dtype, math_.stat_dtype, math_.fp32_out,
-        transform.softcap, transform.logit_scale, transform.inv_temperature, spec.wants("entropy"), spec.wants("self_certainty"))
 
 
 @dataclass
@@ -207,9 +245,10 @@ class _RowGradients:
 
 
 def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
-                     lse: Tensor, mu: Optional[Tensor], mu_d: Optional[Tensor], coeffs: _RowGradients, targets: Optional[Tensor]) -> Tensor:
+                     stats: RowStatistics, coeffs: _RowGradients, targets: Optional[Tensor]) -> Tensor:
     """``d out / d raw`` for one tile (raw = hidden @ W.T + b), built in tile buffers; ``z`` is consumed."""
     n_rows, cols = z.shape
+    lse, mu, mu_d = stats.lse, stats.mu, stats.mu_d
     col = lambda t: t[rows].unsqueeze(1)  # noqa: E731
     # The softcap's slope needs the untouched z; any other user of z below may overwrite it.
     slope_src = z
@@ -232,47 +271,81 @@ def _logit_gradient_(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optiona
     return spec.transform.chain_(p, slope_src, math_.stat_buffer("slope", n_rows, cols))
 
 
-def _fused_logit_gradient(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
-                          lse: Tensor, mu: Optional[Tensor], mu_d: Optional[Tensor], coeffs: _RowGradients, targets: Optional[Tensor],
-                          want_column_sums: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """:func:`_logit_gradient_` as one compiled kernel: the tile's gradient as a matmul operand, and its column sums."""
+def _tile_gradient(spec: _HeadSpec, math_: TileMath, z: Tensor, ref_z: Optional[Tensor], rows: slice, v0: int,
+                   stats: RowStatistics, coeffs: _RowGradients, targets: Optional[Tensor],
+                   want_column_sums: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """One tile's logit gradient as a matmul operand, and its column sums (the bias gradient) when wanted: the
+    compiled :func:`tile_logit_gradient` where the spec says so, else :func:`_logit_gradient_` (``z`` consumed)."""
+    if not math_.fused:
+        grad_raw = _logit_gradient_(spec, math_, z, ref_z, rows, v0, stats, coeffs, targets)
+        return math_.grad_operand(grad_raw), grad_raw.sum(0) if want_column_sums else None
     at = lambda t: None if t is None else t[rows]  # noqa: E731
     transform = spec.transform
     return tile_logit_gradient(
-        z, ref_z, lse[rows], at(mu) if coeffs.g_ent is not None else None, at(mu_d) if coeffs.g_kl is not None else None,
+        z, ref_z, stats.lse[rows], at(stats.mu) if coeffs.g_ent is not None else None,
+        at(stats.mu_d) if coeffs.g_kl is not None else None,
         coeffs.alpha[rows], at(coeffs.g_ent), at(coeffs.g_kl), at(coeffs.uniform), at(coeffs.g_lp),
         at(targets) if coeffs.g_lp is not None else None, v0,
         transform.softcap, transform.linear_scale, transform.inv_temperature, math_.matmul_dtype, want_column_sums)
 
 
-def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                    targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor],
-                    ref_bias: Optional[Tensor], lse: Tensor, mu: Optional[Tensor], mu_d: Optional[Tensor], keep: Optional[Tensor],
-                    need_h: bool, need_w: bool, need_b: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """The tiled backward: ``(grad_hidden, grad_weight, grad_bias)``, the hidden gradient of the counted rows only.
+def _weight_gradient_mode(math_: TileMath, weight: Tensor, rows: int, row_tile: int) -> str:
+    """How the tiled backward sums each vocabulary tile's weight gradient over the row tiles:
+
+    * ``"accumulate"``: a weight in the statistics dtype is its own accumulator; every product adds into it.
+    * ``"straight"``: the call has one row tile and the weight has the matmul dtype: one product per vocabulary
+      tile, written straight into the gradient (an fp32 tile would only round-trip it). ``tile_sizes`` relies on
+      this: such vocabulary tiles are not bounded as weight tiles.
+    * ``"rounded"``: a bf16/fp16 weight gets each super-block's fp32 tile sum added once, as gradient
+      accumulation over micro-batches would; an fp32 copy of the whole weight gradient is never made.
+    """
+    if weight.dtype == math_.stat_dtype:
+        return "accumulate"
+    return "straight" if rows <= row_tile and weight.dtype == math_.matmul_dtype else "rounded"
+
+
+def _backward_tiles(spec: _HeadSpec, grads: tuple, t: HeadTensors, stats: RowStatistics, wanted: GradientsWanted
+                    ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The backward: ``(grad_hidden, grad_weight, grad_bias)``, the hidden gradient of the counted rows only.
 
     Its own function so that every tile buffer (the workspace and each view of it) is released when it
     returns, before the caller makes the full-size hidden gradient of a masked call.
     """
-    n, vocab, size = _pass_rows(hidden, keep), weight.shape[0], weight.shape[1]
-    math_ = _tile_math(spec, n, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
-    stat_dtype, device = math_.stat_dtype, hidden.device
-    coeffs = _RowGradients.from_upstream(spec, grads, n, vocab, stat_dtype, device)
-    stat_bias = None if bias is None else bias.to(stat_dtype)
-    stat_ref_bias = None if ref_bias is None else ref_bias.to(stat_dtype)
+    n, weight = t.rows, t.weight
+    math_ = _tile_math(spec, n, t.hidden, weight, t.bias, t.ref_hidden, t.ref_weight, t.ref_bias)
+    coeffs = _RowGradients.from_upstream(spec, grads, n, weight.shape[0], math_.stat_dtype, t.hidden.device)
     # Contiguous gradients (whatever the parameters' strides) so that tiles can be written with out= or into slices.
-    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
-    if spec.whole_pass:
-        transform, g_kl = spec.transform, coeffs.g_kl
-        with _NoAutocast(device.type), torch.no_grad():
-            grad_h, grad_b = whole_backward(
-                _counted(hidden, keep), weight, stat_bias, targets if coeffs.g_lp is not None else None,
-                _counted(ref_hidden, keep) if g_kl is not None else None, ref_weight if g_kl is not None else None,
-                stat_ref_bias if g_kl is not None else None, lse, mu if coeffs.g_ent is not None else None,
-                mu_d if g_kl is not None else None, coeffs.alpha, coeffs.g_lp, coeffs.g_ent, g_kl, coeffs.uniform,
-                spec.vocab_tile, math_.matmul_dtype, stat_dtype, math_.fp32_out,
-                transform.softcap, transform.logit_scale, transform.inv_temperature, need_h, grad_w, need_b)
-        return grad_h, grad_w, grad_b.to(bias.dtype) if need_b else None
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=t.hidden.device) if wanted.weight else None
+    with _NoAutocast(t.hidden.device.type), torch.no_grad():
+        if spec.whole_pass:
+            grad_h, grad_b = _whole_backward(spec, math_, t, stats, coeffs, wanted, grad_w)
+        else:
+            grad_h, grad_b = _tiled_backward(spec, math_, t, stats, coeffs, wanted, grad_w)
+    return grad_h, grad_w, grad_b.to(t.bias.dtype) if wanted.bias else None
+
+
+def _whole_backward(spec: _HeadSpec, math_: TileMath, t: HeadTensors, stats: RowStatistics, coeffs: _RowGradients,
+                    wanted: GradientsWanted, grad_w: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """:func:`_tiled_backward` as one compiled call (``_whole_pass.py``): ``(grad_h, grad_b)``, ``grad_w`` filled."""
+    transform, g_kl = spec.transform, coeffs.g_kl
+    kl = g_kl is not None
+    return whole_backward(
+        _counted(t.hidden, t.keep), t.weight, _stat_bias(math_, t.bias), t.targets if coeffs.g_lp is not None else None,
+        _counted(t.ref_hidden, t.keep) if kl else None, t.ref_weight if kl else None,
+        _stat_bias(math_, t.ref_bias) if kl else None, stats.lse, stats.mu if coeffs.g_ent is not None else None,
+        stats.mu_d if kl else None, coeffs.alpha, coeffs.g_lp, coeffs.g_ent, g_kl, coeffs.uniform,
+        spec.vocab_tile, math_.matmul_dtype, math_.stat_dtype, math_.fp32_out,
+        transform.softcap, transform.logit_scale, transform.inv_temperature, wanted.hidden, grad_w, wanted.bias)
+
+
+def _tiled_backward(spec: _HeadSpec, math_: TileMath, t: HeadTensors, stats: RowStatistics, coeffs: _RowGradients,
+                    wanted: GradientsWanted, grad_w: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The backward tile by tile: ``(grad_h, grad_b)`` (the bias gradient in the statistics dtype), ``grad_w`` filled."""
+    hidden, weight, keep, targets = t.hidden, t.weight, t.keep, t.targets
+    need_h, need_w, need_b = wanted
+    n, vocab, size = t.rows, weight.shape[0], weight.shape[1]
+    stat_dtype, device = math_.stat_dtype, hidden.device
+    stat_bias, stat_ref_bias = _stat_bias(math_, t.bias), _stat_bias(math_, t.ref_bias)
     rt, vt = spec.row_tile, spec.vocab_tile
     block_rows = rt * _SUPER_BLOCK_ROW_TILES
     # fp32 hidden states: the output itself is the accumulator; otherwise one super-block's
@@ -284,62 +357,45 @@ def _backward_tiles(spec: _HeadSpec, grads: tuple, hidden: Tensor, weight: Tenso
     if need_h:
         shape = hidden.shape if keep is None else (n, size)
         grad_h = torch.zeros(shape, dtype=stat_dtype, device=device) if direct_gh else torch.empty(shape, dtype=hidden.dtype, device=device)
-    direct_gw = need_w and weight.dtype == stat_dtype
+    gw_mode = _weight_gradient_mode(math_, weight, n, rt) if need_w else None
     grad_b_acc = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_b else None
 
-    with _NoAutocast(device.type), torch.no_grad():
-        values = not is_fake(hidden)
-        for s0 in tile_starts(0, n, block_rows, values=values):
-            s1 = min(s0 + block_rows, n)
-            first_block, one_row_tile = s0 == 0, s1 - s0 <= rt
-            gh_block = None
-            if need_h:
-                gh_block = grad_h[s0:s1] if direct_gh else math_.ws.get("gh", s1 - s0, size, min(block_rows, n) * size, stat_dtype).zero_()
-            for v0 in tile_starts(0, vocab, vt, values=values):
-                v1 = min(v0 + vt, vocab)
-                w = math_.operand("w", weight[v0:v1], vt)
-                ref_w = math_.operand("ref_w", ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
-                gw_tile, overwrite_gw = None, False
-                # One row-tile product per vocabulary tile, already in the weight's dtype: it
-                # goes straight into the gradient (the fp32 tile would only round-trip it; a
-                # low-precision product accumulates in fp32 and is rounded once either way).
-                # tile_sizes relies on this: such vocabulary tiles are not bounded as weight tiles.
-                straight_gw = (need_w and not direct_gw and first_block and one_row_tile
-                               and weight.dtype == math_.matmul_dtype)
-                if need_w and not straight_gw:
-                    # fp32 weights accumulate straight into the gradient across all blocks; a
-                    # low-precision weight gets each block's fp32 tile sum added once (below).
-                    gw_tile = grad_w[v0:v1] if direct_gw else math_.ws.get("gw", v1 - v0, size, vt * size, stat_dtype)
-                    overwrite_gw = first_block or not direct_gw
-                    if overwrite_gw and not one_row_tile:
-                        gw_tile.zero_()
-                for r0 in tile_starts(s0, s1, rt, values=values):
-                    r1 = min(r0 + rt, s1)
-                    h = _row_tile(math_, "h", hidden, keep, r0, r1)
-                    z = math_.logits("z", h, w, stat_bias, v0, v1)
-                    ref_z = None
-                    if ref_w is not None:
-                        ref_z = math_.logits("ref_z", _row_tile(math_, "ref_h", ref_hidden, keep, r0, r1), ref_w, stat_ref_bias, v0, v1)
-                    if math_.fused:
-                        operand, column_sums = _fused_logit_gradient(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d,
-                                                                     coeffs, targets, need_b)
-                    else:
-                        grad_raw = _logit_gradient_(spec, math_, z, ref_z, slice(r0, r1), v0, lse, mu, mu_d, coeffs, targets)
-                        operand, column_sums = math_.grad_operand(grad_raw), grad_raw.sum(0) if need_b else None
-                    if need_h:
-                        math_.accumulate("gh_p", gh_block[r0 - s0 : r1 - s0], operand, w, overwrite=False)
-                    if straight_gw:
-                        torch.mm(operand.t(), h, out=grad_w[v0:v1])
-                    elif need_w:
-                        math_.accumulate("gw_p", gw_tile, operand.t(), h, overwrite=overwrite_gw and one_row_tile)
-                    if need_b:
-                        grad_b_acc[v0:v1] += column_sums
-                if need_w and not direct_gw and not straight_gw:
-                    # Each block's fp32 tile sum is rounded once into the bf16/fp16 gradient, as
-                    # gradient accumulation over micro-batches would; an fp32 copy of the whole
-                    # weight gradient is deliberately never made.
-                    grad_w[v0:v1].copy_(gw_tile) if first_block else grad_w[v0:v1].add_(gw_tile)
-            if need_h and not direct_gh:
-                grad_h[s0:s1].copy_(gh_block)
-    grad_b = grad_b_acc.to(bias.dtype) if need_b else None
-    return grad_h, grad_w, grad_b
+    values = not is_fake(hidden)
+    for s0 in tile_starts(0, n, block_rows, values=values):
+        s1 = min(s0 + block_rows, n)
+        first_block, one_row_tile = s0 == 0, s1 - s0 <= rt
+        gh_block = None
+        if need_h:
+            gh_block = grad_h[s0:s1] if direct_gh else math_.ws.get("gh", s1 - s0, size, min(block_rows, n) * size, stat_dtype).zero_()
+        for v0 in tile_starts(0, vocab, vt, values=values):
+            v1 = min(v0 + vt, vocab)
+            w = math_.operand("w", weight[v0:v1], vt)
+            ref_w = math_.operand("ref_w", t.ref_weight[v0:v1], vt) if coeffs.g_kl is not None else None
+            gw_tile, overwrite_gw = None, False
+            if gw_mode in ("accumulate", "rounded"):
+                # The weight itself accumulates over all blocks from the first; a block's fp32 tile sum starts afresh.
+                gw_tile = grad_w[v0:v1] if gw_mode == "accumulate" else math_.ws.get("gw", v1 - v0, size, vt * size, stat_dtype)
+                overwrite_gw = first_block or gw_mode == "rounded"
+                if overwrite_gw and not one_row_tile:
+                    gw_tile.zero_()
+            for r0 in tile_starts(s0, s1, rt, values=values):
+                r1 = min(r0 + rt, s1)
+                h = _row_tile(math_, "h", hidden, keep, r0, r1)
+                z = math_.logits("z", h, w, stat_bias, v0, v1)
+                ref_z = None
+                if ref_w is not None:
+                    ref_z = math_.logits("ref_z", _row_tile(math_, "ref_h", t.ref_hidden, keep, r0, r1), ref_w, stat_ref_bias, v0, v1)
+                operand, column_sums = _tile_gradient(spec, math_, z, ref_z, slice(r0, r1), v0, stats, coeffs, targets, need_b)
+                if need_h:
+                    math_.accumulate("gh_p", gh_block[r0 - s0 : r1 - s0], operand, w, overwrite=False)
+                if gw_mode == "straight":
+                    torch.mm(operand.t(), h, out=grad_w[v0:v1])
+                elif gw_mode is not None:
+                    math_.accumulate("gw_p", gw_tile, operand.t(), h, overwrite=overwrite_gw and one_row_tile)
+                if need_b:
+                    grad_b_acc[v0:v1] += column_sums
+            if gw_mode == "rounded":  # the block's fp32 tile sum, rounded once into the bf16/fp16 gradient
+                grad_w[v0:v1].copy_(gw_tile) if first_block else grad_w[v0:v1].add_(gw_tile)
+        if need_h and not direct_gh:
+            grad_h[s0:s1].copy_(gh_block)
+    return grad_h, grad_b_acc

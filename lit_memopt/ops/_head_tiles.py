@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lit_memopt._compat.torch import cpu_has_native_low_precision_matmul
 from lit_memopt._compat.torch import is_fake as is_fake_tensor
+from lit_memopt.ops._fused_tiles import chain_to_raw, transform_logits
 
 ChunkSize = Optional[Union[int, Sequence[int]]]
 PRECISIONS = ("auto", "exact", "fast")
@@ -337,18 +338,11 @@ class LogitTransform:
 
     def apply_(self, raw: Tensor) -> Tensor:
         """Turn a raw logits tile into ``z`` in place."""
-        if self.softcap is None:
-            return raw if self.linear_scale == 1.0 else raw.mul_(self.linear_scale)
-        return raw.mul_(self.logit_scale / self.softcap).tanh_().mul_(self.softcap * self.inv_temperature)
+        return transform_logits(raw, self.softcap, self.logit_scale, self.inv_temperature, out=raw)
 
     def chain_(self, grad_z: Tensor, z: Optional[Tensor], scratch: Optional[Tensor]) -> Tensor:
         """``d/draw`` from ``d/dz`` in place; ``z`` (the unmodified logits tile) is needed with a softcap."""
-        if self.softcap is None:
-            return grad_z if self.linear_scale == 1.0 else grad_z.mul_(self.linear_scale)
-        # dz/draw = logit_scale / T * (1 - tanh^2), and tanh = z * T / cap
-        tanh = torch.mul(z, 1.0 / (self.softcap * self.inv_temperature), out=scratch)
-        slope = tanh.square_().neg_().add_(1.0)
-        return grad_z.mul_(slope).mul_(self.linear_scale)
+        return chain_to_raw(grad_z, z, self.softcap, self.linear_scale, self.inv_temperature, out=grad_z, scratch=scratch)
 
 
 # --------------------------------------------------------------------------------------------

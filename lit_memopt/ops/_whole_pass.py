@@ -1,5 +1,5 @@
 """The fused head's two passes, each as one compiled graph over all its vocabulary tiles (the CUDA default for
-calls with one row tile; ``LIT_MEMOPT_WHOLE_PASS``).
+calls with one row tile; ``LIT_MEMOPT_WHOLE_PASS``, see ``_settings.py``).
 
 A tiled pass on a GPU costs host work per tile: slicing, a matmul launch or three, and a call into the
 compiled tile kernels (``_fused_tiles.py``). For the calls RL steps make (a few hundred to a few thousand
@@ -31,19 +31,14 @@ compiles slowly), fake tensors (the estimator), and tile maths that are not comp
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from lit_memopt.ops._fused_tiles import _fold_tile, _tile_logit_gradient, compiled_once, finish_rows, start_rows
+from lit_memopt.ops._fused_tiles import _fold_tile, _tile_logit_gradient, compiled_once, finish_rows, start_rows, transform_logits
+from lit_memopt.ops._settings import head_settings
 
-# ``LIT_MEMOPT_WHOLE_PASS``: "auto" (default: one compiled graph per pass on CUDA, wherever the tile kernels are
-# compiled and the call fits one row tile), "1" (the same wherever the tile kernels are compiled: a CPU with
-# ``LIT_MEMOPT_FUSED_TILES=1``) or "0" (tile by tile everywhere).
-_ENV = "LIT_MEMOPT_WHOLE_PASS"
-_MODES = ("auto", "0", "1")
 # More vocabulary tiles than this and a pass runs tile by tile: each unrolled tile adds to the compile
 # time (seconds for ten tiles on an H100), and calls with that many tiles are long enough to hide their
 # host work behind the GPU's.
@@ -65,10 +60,7 @@ def whole_pass_vocab_tile(fused: bool, device: torch.device, rows: int, row_tile
     Automatic tiles also shrink until a weight-gradient tile fits :data:`MAX_WEIGHT_TILE_ELEMENTS`; an
     explicit tile that does not fit runs tile by tile.
     """
-    mode = os.environ.get(_ENV, "auto")
-    if mode not in _MODES:
-        raise ValueError(f"{_ENV} must be one of {_MODES}, got {mode!r}")
-    if mode == "0" or (mode == "auto" and device.type != "cuda") or not fused or rows > row_tile or rows == 0:
+    if not head_settings().whole_pass_allowed(device) or not fused or rows > row_tile or rows == 0:
         return None
     widest_tile = max(MAX_WEIGHT_TILE_ELEMENTS // max(hidden_size, 1), 1)
     if explicit:
@@ -107,14 +99,11 @@ def _after(x: Tensor, *results: Optional[Tensor]) -> Tensor:
 
 def _logits(h: Tensor, w: Tensor, bias: Optional[Tensor], stat_dtype: torch.dtype, fp32_out: bool,
             softcap: Optional[float], logit_scale: float, inv_temperature: float) -> Tensor:
-    """The transformed logits tile (``LogitTransform``, written without in-place ops)."""
+    """The transformed logits tile (``TileMath.logits`` as one expression of the graph)."""
     raw = _product(h, w.t(), stat_dtype, fp32_out)
     if bias is not None:
         raw = raw + bias
-    if softcap is not None:
-        return torch.tanh(raw * (logit_scale / softcap)) * (softcap * inv_temperature)
-    scale = logit_scale * inv_temperature
-    return raw if scale == 1.0 else raw * scale
+    return transform_logits(raw, softcap, logit_scale, inv_temperature)
 
 
 def _forward(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Optional[Tensor], ref_h: Optional[Tensor],

@@ -24,10 +24,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lit_memopt.ops._forward_grads import FORWARD_GRAD_OUTPUTS, ForwardGradientLoss, FrozenHeadFunction, block_tiles
-from lit_memopt.ops._fused_tiles import use_fused_tiles
+from lit_memopt.ops._fused_tiles import row_outputs, use_fused_tiles
 from lit_memopt.ops._head_passes import _SUPER_BLOCK_ROW_TILES  # noqa: F401 (tests read the block size)
 from lit_memopt.ops._head_passes import (
     OUTPUTS,
+    GradientsWanted,
+    HeadTensors,
+    RowStatistics,
     _backward_tiles,
     _forward_statistics,
     _HeadSpec,
@@ -81,21 +84,16 @@ class _LinearHeadFunction(torch.autograd.Function):
                 targets: Optional[Tensor], ref_hidden: Optional[Tensor], ref_weight: Optional[Tensor], ref_bias: Optional[Tensor],
                 keep: Optional[Tensor]):
         ctx.set_materialize_grads(False)
-        math_ = _tile_math(spec, _pass_rows(hidden, keep), hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
-        stat_bias = None if bias is None else bias.to(math_.stat_dtype)
-        stat_ref_bias = None if ref_bias is None else ref_bias.to(math_.stat_dtype)
+        tensors = HeadTensors(hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, keep)
+        math_ = _tile_math(spec, tensors.rows, hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
         with _NoAutocast(hidden.device.type), torch.no_grad():
-            s = _forward_statistics(spec, math_, hidden, weight, stat_bias, targets, ref_hidden, ref_weight, stat_ref_bias, keep)
-        outputs = {
-            "logprobs": lambda: s["target_z"] - s["lse"],
-            "entropy": lambda: s["lse"] - s["mu"],
-            "self_certainty": lambda: s["lse"] - s["mean_z"],
-            "kl": lambda: s["mu_d"] - s["lse"] + s["ref_lse"],  # KL(p || q) = E_p[z - z_ref] - lse + lse_ref
-            "logsumexp": lambda: s["lse"].clone(),
-        }
+            s = _forward_statistics(spec, math_, tensors)
+        outputs = row_outputs(s, [name for name in OUTPUTS if spec.wants(name)])
+        if "logsumexp" in outputs:
+            outputs["logsumexp"] = outputs["logsumexp"].clone()  # lse is also saved for backward: not the same tensor
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, s["lse"], s.get("mu"), s.get("mu_d"), keep)
-        return tuple(outputs[name]() for name in OUTPUTS if spec.wants(name))
+        return tuple(outputs.values())
 
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
@@ -114,7 +112,8 @@ class _LinearHeadFunction(torch.autograd.Function):
     def _backward(ctx, *grads: Optional[Tensor]):
         spec: _HeadSpec = ctx.spec
         hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, lse, mu, mu_d, keep = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[1:4]
+        wanted = GradientsWanted(*ctx.needs_input_grad[1:4])
+        need_h, need_w, need_b = wanted
         nothing = (None,) * 9
         if not (need_h or need_w or need_b) or all(g is None for g in grads):
             return nothing
@@ -122,8 +121,8 @@ class _LinearHeadFunction(torch.autograd.Function):
             zeros = lambda t, need: torch.zeros_like(t) if need else None  # noqa: E731
             return None, zeros(hidden, need_h), zeros(weight, need_w), zeros(bias, need_b), None, None, None, None, None
         grad_h, grad_w, grad_b = _backward_tiles(
-            spec, grads, hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, lse, mu, mu_d, keep,
-            need_h, need_w, need_b)
+            spec, grads, HeadTensors(hidden, weight, bias, targets, ref_hidden, ref_weight, ref_bias, keep),
+            RowStatistics(lse, mu, mu_d), wanted)
         if need_h and keep is not None:
             # Only now, with the tile buffers gone (they died with _backward_tiles' frame), the full-size
             # gradient of all rows is made and the counted rows' gradient scattered into it.
@@ -146,6 +145,33 @@ def choose_pass(outputs: tuple[str, ...], hidden: Tensor, weight: Tensor, bias: 
     if scalar_loss:
         return "loss"
     return "frozen" if need_h and not (need_w or need_b) else "tiled"
+
+
+def plan_pass(outputs: tuple[str, ...], hidden: Tensor, weight: Tensor, bias: Optional[Tensor], scalar_loss: bool, *,
+              transform: LogitTransform, low_precision: Optional[torch.dtype], chunk_size: ChunkSize, counted_rows: int,
+              total_rows: int, hidden_size: int, weight_copied: bool, fake: bool) -> tuple[str, _HeadSpec]:
+    """The one place a head call's variant is settled, for its device and shapes: ``(path, spec)``.
+
+    ``path`` is :func:`choose_pass`'s; the spec says how its tile maths run: eagerly or compiled
+    (``spec.fused``, from ``LIT_MEMOPT_FUSED_TILES`` and the device, ``_settings.py``), and for the tiled path
+    whether each pass is one compiled graph (``spec.whole_pass``, ``LIT_MEMOPT_WHOLE_PASS``, one row tile only),
+    with the tiles of that variant: ``tile_sizes`` for the tiled pass (the whole pass rounds its vocabulary tile,
+    ``whole_pass_vocab_tile``), ``block_tiles`` for the gradient-in-forward passes (an explicit ``chunk_size``
+    sets both). ``counted_rows`` reach the matmuls out of ``total_rows``; ``hidden_size`` is the wider of the
+    policy's and the reference's.
+    """
+    vocab, device = weight.shape[0], hidden.device
+    fused = use_fused_tiles(device, fake)
+    row_tile, vocab_tile = tile_sizes(chunk_size, counted_rows, hidden_size, vocab, device, fast=low_precision is not None,
+                                      total_rows=total_rows, fused=fused, weight_copied=weight_copied)
+    path = choose_pass(outputs, hidden, weight, bias, scalar_loss)
+    if path != "tiled":
+        explicit = None if chunk_size is None else (row_tile, vocab_tile)
+        return path, _HeadSpec(frozenset(outputs), transform, *block_tiles(explicit, counted_rows, vocab), low_precision, fused)
+    whole_tile = whole_pass_vocab_tile(fused, device, counted_rows, row_tile, hidden_size, vocab, vocab_tile,
+                                       explicit=chunk_size is not None)
+    return path, _HeadSpec(frozenset(outputs), transform, row_tile, whole_tile or vocab_tile, low_precision, fused,
+                           whole_pass=whole_tile is not None)
 
 
 def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs: tuple[str, ...], *,
@@ -227,29 +253,21 @@ def run_head(hidden: Tensor, weight: Tensor, targets: Optional[Tensor], outputs:
             flat_targets = flat_targets.index_select(0, keep)
     widest = max(size, ref_hidden.shape[-1]) if kl else size
     counted = rows.shape[0] if keep is None else keep.shape[0]
-    fused = use_fused_tiles(rows.device, is_fake(rows))
     # Under autocast an fp32 weight is copied into the matmul dtype tile by tile: those copies count as tiles.
     weight_copied = low_precision is not None and any(w is not None and w.dtype != low_precision for w in (weight, ref_weight))
-    row_tile, vocab_tile = tile_sizes(chunk_size, counted, widest, vocab, hidden.device, fast=low_precision is not None,
-                                      total_rows=rows.shape[0], fused=fused, weight_copied=weight_copied)
-    # On CUDA each pass of a call with one row tile is one compiled graph over all its vocabulary tiles (ops/_whole_pass.py).
-    whole_tile = whole_pass_vocab_tile(fused, rows.device, counted, row_tile, widest, vocab, vocab_tile,
-                                       explicit=chunk_size is not None)
+    path, spec = plan_pass(outputs, hidden, weight, bias, row_loss is not None, transform=transform,
+                           low_precision=low_precision, chunk_size=chunk_size, counted_rows=counted,
+                           total_rows=rows.shape[0], hidden_size=widest, weight_copied=weight_copied, fake=is_fake(rows))
     constants = {}
     for name, t in (row_constants or {}).items():
         flat = t.reshape(-1)
         constants[name] = flat if keep is None else flat.index_select(0, keep)
-    path = choose_pass(outputs, hidden, weight, bias, row_loss is not None)
     if path != "tiled":
-        explicit = None if chunk_size is None else (row_tile, vocab_tile)
-        spec = _HeadSpec(frozenset(outputs), transform, *block_tiles(explicit, counted, vocab), low_precision, fused)
         if path == "loss":
             share = lambda r0, r1, out: row_loss(out, {k: v[r0:r1] for k, v in constants.items()})  # noqa: E731
             return (ForwardGradientLoss.apply(spec, share, rows, weight, bias, flat_targets, keep),)
         results = FrozenHeadFunction.apply(spec, rows, weight, bias, flat_targets, keep)
     else:
-        spec = _HeadSpec(frozenset(outputs), transform, row_tile, whole_tile or vocab_tile, low_precision, fused,
-                         whole_pass=whole_tile is not None)
         results = _LinearHeadFunction.apply(spec, rows, weight, bias, flat_targets, ref_rows, ref_weight, ref_bias, keep)
     by_name = dict(zip([o for o in OUTPUTS if o in outputs], results))
     if row_loss is not None:  # the tiled pass's outputs of the counted rows, through the same loss maths
