@@ -95,6 +95,39 @@ def test_training_step_end_to_end(lora):
     assert 1 <= logged.values["train/response_length"] <= 5
 
 
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["frozen-copy", "lora"])
+def test_the_fused_policy_loss_gives_the_gradients_of_log_probs_then_ppo_clip_loss(lora, monkeypatch):
+    """The step's fused ``linear_policy_loss`` against the plain formula it replaced, in float64: the same rollout,
+    the same loss and the same gradients (the reference's k3 KL term included)."""
+    import lit_memopt.ops as ops
+    from lit_memopt.ops import linear_logprobs, ppo_clip_loss
+
+    def plain(hidden, weight, targets, logp_old, advantages, *, clip_eps, ref_logp, kl_coef, temperature, chunk_size):
+        logp = linear_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
+        return ppo_clip_loss(logp, logp.detach(), advantages, clip_eps=clip_eps, ref_logp=ref_logp, kl_coef=kl_coef)
+
+    def step(replace: bool) -> tuple[float, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        config = _config(lora)
+        module = IntuitorModule(config, config.build_tokenizer(), num_samples=3, max_new_tokens=5, temperature=0.8,
+                                kl_coef=0.05, checker=answer_is_correct)
+        module.double()
+        _Logged(module)
+        with monkeypatch.context() as patch:
+            if replace:
+                patch.setattr(ops, "linear_policy_loss", plain)
+            loss = module.training_step(_batch(module.tokenizer, ["1+2=", "copy ab="], ["3", "ab"]), 0)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in module.model.parameters() if p.requires_grad]
+
+    fused_loss, fused = step(False)
+    plain_loss, reference = step(True)
+    assert sum(g.abs().sum() for g in fused) > 0  # a step that moves the policy, or the equality says nothing
+    assert fused_loss == pytest.approx(plain_loss, rel=1e-12, abs=1e-14)
+    for a, b in zip(fused, reference):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_truncated_responses_are_those_cut_at_the_cap_without_eos():
     config = _config()
     tokenizer = config.build_tokenizer()

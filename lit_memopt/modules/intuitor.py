@@ -44,11 +44,12 @@ class IntuitorModule(pl.LightningModule):
     reward is ``(1 - w) * self_certainty + w * accuracy`` from the data's checker (``w = 1`` is plain
     GRPO with a verifiable reward), or with ``reward_fn`` set, ``w`` times that function's reward in
     place of the accuracy. Advantages are normalised within each prompt's group, and the
-    loss is ``ppo_clip_loss`` (clip ``clip_eps``) plus ``kl_coef`` times the k3 estimate of
+    loss is the clipped PPO loss (``ppo_clip_loss``'s maths, clip ``clip_eps``) plus ``kl_coef`` times the k3 estimate of
     ``KL(pi || pi_ref)``.
 
-    Memory: policy log-probs come from the decoder's hidden states through ``linear_logprobs``,
-    gathered on response tokens only; the reference pass runs without grad, in micro-batches of
+    Memory: the loss comes from the decoder's hidden states through ``linear_policy_loss`` (no
+    ``[tokens, vocab]`` logits; its head gradients made in the forward), on response tokens only; one pass
+    without gradients before it gives the sampling log-probs and the self-certainty reward; the reference pass runs without grad, in micro-batches of
     ``reference_micro_batch_size`` rollouts, *before* the policy forward, so the two never coexist.
     With LoRA (``model.lora``) the reference is the base model under ``disable_adapter()``: no extra
     weights. Without LoRA the reference is a frozen copy of the initial policy: one more copy of the
@@ -272,7 +273,8 @@ class IntuitorModule(pl.LightningModule):
         return self._rollout(batch, int(self.hparams.num_samples), self._rollout_seed(batch_idx)), 1.0
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        from lit_memopt.ops import linear_logprobs, linear_self_certainty, ppo_clip_loss
+        from lit_memopt.ops import linear_policy_loss
+        from lit_memopt.ops.linear_head import run_head
 
         hp = self.hparams
         group = int(hp.num_samples)
@@ -292,10 +294,13 @@ class IntuitorModule(pl.LightningModule):
 
         hidden, targets, positions = response_hidden_states(self.model, *args)
         weight = lm_head_weight(self.model)
-        logp = scatter_response(linear_logprobs(hidden, weight, targets, temperature=hp.temperature, chunk_size=hp.chunk_size), positions)
+        head = dict(temperature=hp.temperature, chunk_size=hp.chunk_size)
         with torch.no_grad():
-            # The reward is a fixed number per response: no gradient through it.
-            certainty_tokens = linear_self_certainty(hidden.detach(), weight.detach(), temperature=hp.temperature, chunk_size=hp.chunk_size)
+            # The sampling policy's log-probs (this step samples on-policy) and the reward, a fixed number per
+            # response, in one pass over the head without gradients: one product.
+            logp_tokens, certainty_tokens = run_head(hidden.detach(), weight.detach(), targets,
+                                                     ("logprobs", "self_certainty"), **head)
+            logp = scatter_response(logp_tokens, positions)
             certainty = masked_mean(scatter_response(certainty_tokens, positions), positions, dim=-1) - self._log_vocab()
             accuracy, external = self._rewards(batch, rollout)
             # identical responses of a group get one reward, not rounding-noise rivals (see the function)
@@ -305,20 +310,24 @@ class IntuitorModule(pl.LightningModule):
             truncated = self._truncated(rollout)
             advantages = group_advantages(reward, group, hp.advantage_eps, scale=hp.scale_rewards)
 
-        loss = ppo_clip_loss(
-            logp,
-            logp.detach(),
-            advantages,  # one per response, broadcast over its tokens
+        # The clipped loss on the response rows, its head gradients made in the forward pass (three products instead
+        # of the four of log-probs then ppo_clip_loss): each row carries its response's advantage.
+        loss = linear_policy_loss(
+            hidden,
+            weight,
+            targets,
+            logp_tokens,
+            advantages[:, None].expand_as(positions)[positions],
             clip_eps=hp.clip_eps,
-            mask=positions,
-            ref_logp=ref_logp,
+            ref_logp=None if ref_logp is None else ref_logp[positions],
             kl_coef=hp.kl_coef,
+            **head,
         ) * loss_scale  # a token mean over the whole step's responses, whatever the split (see _BatchRollout)
 
         num_prompts = batch["input_ids"].shape[0]
         with torch.no_grad():
             if ref_logp is not None:
-                delta = ref_logp - logp.detach()
+                delta = ref_logp - logp
                 kl = masked_mean(torch.exp(delta) - delta - 1.0, positions)  # k3, as in the loss
             else:
                 kl = torch.zeros((), device=logp.device)
