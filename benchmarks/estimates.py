@@ -31,7 +31,7 @@ CASES_FULL: list[tuple[str, list[str]]] = [
     ("ttt · TTT-125M", ["recipe=ttt", "model=ttt_125m"]),
     ("intuitor · Qwen2.5-1.5B", ["recipe=intuitor", "model=qwen2_5_1_5b"]),
     # full fine-tuning, as measured before the tiny default took one LoRA adapter per role
-    ("crsp · Qwen2.5-7B", ["recipe=crsp", "model=qwen2_5_7b", "model.lora=null", "module.role_adapters=false"]),
+    ("crsp · Qwen2.5-7B", ["recipe=crsp", "model=qwen2_5_7b", "model.lora=null", "module.roles.adapters=false"]),
 ]
 PAIRS = [
     ("sft · Qwen3-4B · 4×1024", "sft · Qwen3-4B · 4×1024 · activation checkpointing", "SFT step, activation checkpointing: predicted peak (Qwen3-4B, 4×1024)", "plain"),

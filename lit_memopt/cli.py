@@ -209,11 +209,26 @@ def _explain_compose_error(exc: Exception, overrides: Sequence[str]) -> str:
             keys = sorted(str(k) for k in node.keys()) if node is not None and hasattr(node, "keys") else []
         except Exception:  # noqa: BLE001 - the listing is a courtesy; the first error is what matters
             keys = []
+        moved = _moved_key(cfg if keys else None, parent, leaf)
+        if moved:
+            return f"{full_key} moved to {parent}.{moved} (the module's settings are grouped as its YAML shows)"
         where = f"under '{parent}'" if parent else "at the top level"
         hint = f"; keys {where}: {', '.join(keys)}" if keys else ""
         return f"unknown key '{full_key}'{_closest(leaf, keys)}{hint} (use +{full_key}=VALUE to add a new key)"
     first = next((line for line in message.splitlines() if line.strip()), message)
     return f"invalid overrides: {first}"
+
+
+def _moved_key(cfg: Any, parent: str, leaf: str) -> str | None:
+    """Where a module setting went when its module grouped its settings (a class's ``moved_keys``), else None."""
+    if cfg is None or parent != "module":
+        return None
+    try:
+        from hydra.utils import get_class
+
+        return getattr(get_class(cfg.module._target_), "moved_keys", {}).get(leaf)
+    except Exception:  # noqa: BLE001 - a courtesy on top of the unknown-key message
+        return None
 
 
 # ----------------------------------------------------------------------------- running

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -18,17 +20,26 @@ pytestmark = pytest.mark.timeout(300)
 ARCH = dict(model_type="qwen3", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
             tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
-FAST = dict(max_new_tokens_propose=16, max_new_tokens_solve=8, max_new_tokens_critique=8, num_solver_samples=2,
-            critiques_per_task=1, micro_batch_size=4, sandbox_workers=2, sandbox_wall_time_s=5.0)
+FAST = dict(generation={"max_new_tokens": {"propose": 16, "solve": 8, "critique": 8}, "micro_batch_size": 4},
+            roles={"num_solver_samples": 2, "critiques_per_task": 1}, sandbox={"workers": 2, "wall_time_s": 5.0})
 
 
 def _config(lora: bool = True) -> ModelConfig:
     return ModelConfig(name="tiny", arch=dict(ARCH), lora={"r": 4, "alpha": 8} if lora else None)
 
 
+def _merged(base: dict, overrides: dict) -> dict:
+    """``base`` with ``overrides`` merged in, nested groups key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def _module(**overrides) -> CRSPModule:
+    """A fast CRSPModule; ``overrides`` are module groups (``roles={"adapters": True}``), merged into FAST's."""
     config = _config()
-    return CRSPModule(config, config.build_tokenizer(), **{**FAST, **overrides})
+    return CRSPModule(config, config.build_tokenizer(), **_merged(FAST, overrides))
 
 
 def _trainer(steps: int = 1) -> pl.Trainer:
@@ -57,14 +68,14 @@ def test_parsers_extract_without_executing() -> None:
 def test_bad_arguments_are_named() -> None:
     config = _config()
     tokenizer = config.build_tokenizer()
-    with pytest.raises(ValueError, match="critiques_per_task"):
-        CRSPModule(config, tokenizer, num_solver_samples=2, critiques_per_task=3)
-    with pytest.raises(ValueError, match="beta_solve"):
-        CRSPModule(config, tokenizer, beta_solve=-1.0)
-    with pytest.raises(ValueError, match="weight_propose"):
-        CRSPModule(config, tokenizer, weight_propose=-0.5)
-    with pytest.raises(ValueError, match="role_adapters"):
-        CRSPModule(_config(lora=False), tokenizer, role_adapters=True)
+    with pytest.raises(ValueError, match=r"module.roles.critiques_per_task must be an integer in \[1, num_solver_samples=2\]"):
+        CRSPModule(config, tokenizer, roles={"num_solver_samples": 2, "critiques_per_task": 3})
+    with pytest.raises(ValueError, match="module.roles.solve.beta must be >= 0, got -1.0"):
+        CRSPModule(config, tokenizer, roles={"solve": {"beta": -1.0}})
+    with pytest.raises(ValueError, match="module.roles.propose.weight must be >= 0, got -0.5"):
+        CRSPModule(config, tokenizer, roles={"propose": {"weight": -0.5}})
+    with pytest.raises(ValueError, match="module.roles.adapters=true needs LoRA"):
+        CRSPModule(_config(lora=False), tokenizer, roles={"adapters": True})
 
 
 # ----------------------------------------------------------------- loss vs naive logits path
@@ -98,7 +109,7 @@ def test_role_loss_matches_naive_forward_and_backward(monkeypatch) -> None:
     rewards = torch.tensor([1.0, 0.0, 0.5, -1.0, 2.0, 0.3])
     lora = [p for n, p in model.named_parameters() if p.requires_grad]
 
-    naive = _naive_role_loss(model, rollout, rewards, module.betas_by_role["solve"], module.hparams.clamp)
+    naive = _naive_role_loss(model, rollout, rewards, module.roles.solve.beta, module.roles.clamp)
     naive.backward()
     naive_grads = [p.grad.clone() for p in lora]
     assert any(g.abs().sum() > 0 for g in naive_grads)
@@ -107,14 +118,14 @@ def test_role_loss_matches_naive_forward_and_backward(monkeypatch) -> None:
     for micro_batch_size in (1, 4, 8):  # one row per pass, uneven split, whole batch
         model.zero_grad(set_to_none=True)
         module.normalizers["solve"] = RunningNormalizer()
-        module.hparams.micro_batch_size = micro_batch_size
+        module.generation = dataclasses.replace(module.generation, micro_batch_size=micro_batch_size)
         fused = module._role_backward("solve", rollout, rewards)
         assert torch.allclose(fused, naive.detach(), atol=1e-5, rtol=1e-4)
         for got, want in zip((p.grad for p in lora), naive_grads):
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-3)
 
-    # weight_solve scales the role's loss and gradient, nothing else
-    halved = _module(weight_solve=0.5)
+    # roles.solve.weight scales the role's loss and gradient, nothing else
+    halved = _module(roles={"solve": {"weight": 0.5}})
     halved.load_state_dict(module.state_dict())
     monkeypatch.setattr(halved, "manual_backward", lambda loss: loss.backward())
     fused = halved._role_backward("solve", rollout, rewards)
@@ -161,8 +172,8 @@ def test_training_step_runs_all_three_roles(monkeypatch) -> None:
 @pytest.mark.slow
 def test_scripted_policy_gets_execution_decided_rewards(monkeypatch) -> None:
     """Replace the sampled texts with scripted ones and check every reward that execution decides."""
-    module = _module(num_solver_samples=3, critiques_per_task=2, function_task_ratio=0.0, max_new_tokens_propose=4,
-                     max_new_tokens_solve=4, max_new_tokens_critique=4)
+    module = _module(roles={"num_solver_samples": 3, "critiques_per_task": 2, "function_task_ratio": 0.0},
+                     generation={"max_new_tokens": {"propose": 4, "solve": 4, "critique": 4}})
     scripts = {
         # One valid proposal; one that raises when executed (invalid: the bank task replaces it).
         "propose": ["```python\ndef f(x):\n    return x + 1\n```\nInput: 3\nInput: 10\n",
@@ -195,7 +206,7 @@ def test_scripted_policy_gets_execution_decided_rewards(monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_role_adapters_each_role_trains_its_own() -> None:
-    module = _module(role_adapters=True)
+    module = _module(roles={"adapters": True})
     adapter_of = lambda name: name.split(".")[-2]  # ...lora_A.<adapter>.weight
     lora = {n: p for n, p in module.model.named_parameters() if "lora_" in n}
     assert {adapter_of(n) for n in lora} == {"propose", "solve", "critique"}
@@ -237,7 +248,7 @@ def _crsp_step(monkeypatch, tmp_path, split: bool, role_adapters: bool = False):
 
     monkeypatch.setattr(crsp_module, "response_hidden_states", oom_on_more_than_two_rows)
     torch.manual_seed(0)
-    module = _module(micro_batch_size=4, role_adapters=role_adapters)
+    module = _module(generation={"micro_batch_size": 4}, roles={"adapters": role_adapters})
     with torch.no_grad():
         # A large random EOS embedding (tied head): responses end at varied lengths, so that token and sample
         # weighting differ (with equal lengths a wrong weighting would pass unnoticed).

@@ -16,8 +16,9 @@ def test_recipe_warm_starts_validates_first_and_caches(tmp_path: Path) -> None:
     from test_cli import run_cli
 
     args = ["fit", "recipe=crsp", "module.warm_start.steps=3", "module.warm_start.batch_size=4", "data.batch_size=2",
-            "data.num_val=2", "module.val_solver_samples=2", "module.num_solver_samples=2", "module.critiques_per_task=1",
-            "module.max_new_tokens_propose=16", "module.max_new_tokens_solve=8", "module.max_new_tokens_critique=8",
+            "data.num_val=2", "module.validation.solver_samples=2", "module.roles.num_solver_samples=2",
+            "module.roles.critiques_per_task=1", "module.generation.max_new_tokens.propose=16",
+            "module.generation.max_new_tokens.solve=8", "module.generation.max_new_tokens.critique=8",
             "trainer.max_steps=1", "trainer.val_check_interval=1", "trainer.log_every_n_steps=1",
             "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"]
     first = run_cli(args, cwd=tmp_path, timeout=300)
@@ -49,9 +50,10 @@ def tiny_lora_config() -> ModelConfig:
 def test_a_lora_policy_may_be_warm_started_and_bad_settings_are_named() -> None:
     config = tiny_lora_config()
     # the warm start trains the base under disable_adapter(), which is the reference (test_warm_start.py)
-    assert CRSPModule(config, config.build_tokenizer(), warm_start={"steps": 5}, role_adapters=True).warm_start.steps == 5
-    with pytest.raises(ValueError, match="val_solver_samples"):
-        CRSPModule(config, config.build_tokenizer(), val_solver_samples=0)
+    assert CRSPModule(config, config.build_tokenizer(), warm_start={"steps": 5},
+                      roles={"adapters": True}).warm_start.steps == 5
+    with pytest.raises(ValueError, match="module.validation.solver_samples must be an integer >= 1, got 0"):
+        CRSPModule(config, config.build_tokenizer(), validation={"solver_samples": 0})
     with pytest.raises(ValueError, match=r"module.prompt_style must be one of \['instruct', 'compact'\], got 'short'"):
         CRSPModule(config, config.build_tokenizer(), prompt_style="short")
 
@@ -60,8 +62,8 @@ def test_role_adapters_each_get_their_own_learning_rate_from_the_role_weight() -
     """With one adapter per role, each adapter gets only its role's loss, whose constant scale AdamW ignores: the role
     weights scale the adapters' learning rates instead (weight 0 freezes that role's adapter)."""
     config = tiny_lora_config()
-    module = CRSPModule(config, config.build_tokenizer(), role_adapters=True, lr=1e-3, weight_propose=0.5,
-                        weight_critique=0.0)
+    module = CRSPModule(config, config.build_tokenizer(), optim={"lr": 1e-3},
+                        roles={"adapters": True, "propose": {"weight": 0.5}, "critique": {"weight": 0.0}})
     groups = module.configure_optimizers().param_groups
     assert [g["lr"] for g in groups] == [5e-4, 1e-3, 0.0]  # propose, solve, critique
     named = {id(p): n for n, p in module.model.named_parameters()}
@@ -69,5 +71,5 @@ def test_role_adapters_each_get_their_own_learning_rate_from_the_role_weight() -
         names = [named[id(p)] for p in group["params"]]
         assert names and all(f".lora_A.{role}." in n or f".lora_B.{role}." in n for n in names), (role, names[:3])
     assert sum(len(g["params"]) for g in groups) == sum("lora_" in n for n in named.values())
-    shared = CRSPModule(config, config.build_tokenizer(), lr=1e-3, weight_propose=0.5)  # one policy: one group at lr
+    shared = CRSPModule(config, config.build_tokenizer(), optim={"lr": 1e-3}, roles={"propose": {"weight": 0.5}})  # one group
     assert [g["lr"] for g in shared.configure_optimizers().param_groups] == [1e-3]

@@ -48,8 +48,9 @@ def _ran_in_a_fresh_interpreter(request: pytest.FixtureRequest) -> bool:
 SMALL = ["model.arch.num_hidden_layers=2", "trainer.accelerator=cpu"]
 RECIPES = {
     "intuitor": ["module.num_samples=4", "module.max_new_tokens=12", "data.batch_size=2", "module.warm_start.steps=0"],
-    "crsp": ["module.max_new_tokens_propose=24", "module.max_new_tokens_solve=12", "module.max_new_tokens_critique=12",
-             "module.num_solver_samples=2", "module.critiques_per_task=1", "data.batch_size=1", "module.warm_start.steps=0"],
+    "crsp": ["module.generation.max_new_tokens.propose=24", "module.generation.max_new_tokens.solve=12",
+             "module.generation.max_new_tokens.critique=12", "module.roles.num_solver_samples=2",
+             "module.roles.critiques_per_task=1", "data.batch_size=1", "module.warm_start.steps=0"],
 }
 
 
@@ -105,9 +106,9 @@ def test_worst_case_estimate_matches_a_real_step_generating_to_max_new_tokens(re
     if recipe == "intuitor":  # every one of the B x G responses has max_new_tokens tokens
         assert est.worst_case_tokens == cfg.data.batch_size * hp.num_samples * hp.max_new_tokens
     else:  # propose 1, solve num_solver_samples, critique critiques_per_task responses per task
+        tokens, roles = hp.generation.max_new_tokens, hp.roles
         assert est.worst_case_tokens == cfg.data.batch_size * (
-            hp.max_new_tokens_propose + hp.num_solver_samples * hp.max_new_tokens_solve
-            + hp.critiques_per_task * hp.max_new_tokens_critique)
+            tokens.propose + roles.num_solver_samples * tokens.solve + roles.critiques_per_task * tokens.critique)
     tokenizer = instantiate_run(cfg).tokenizer
     filler = filler_token_id(tokenizer, None, cfg.model.arch.vocab_size)
     measured, batch = _measured_worst_case_peak(cfg, filler, monkeypatch)

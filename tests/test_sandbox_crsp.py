@@ -47,9 +47,9 @@ def test_crsp_step_survives_hostile_proposals(monkeypatch, tmp_path) -> None:
     os.chmod(tmp_path, 0o755)
     os.chmod(secret, 0o644)
     proposals = _hostile_proposals(str(secret))
-    module = _module(function_task_ratio=0.0, max_new_tokens_propose=4, max_new_tokens_solve=4,
-                     max_new_tokens_critique=4, num_solver_samples=1, critiques_per_task=1, sandbox_wall_time_s=4.0,
-                     sandbox_cpu_time_s=1.0, sandbox_memory_mb=256)
+    module = _module(roles={"function_task_ratio": 0.0, "num_solver_samples": 1, "critiques_per_task": 1},
+                     generation={"max_new_tokens": {"propose": 4, "solve": 4, "critique": 4}},
+                     sandbox={"wall_time_s": 4.0, "cpu_time_s": 1.0, "memory_mb": 256})
     original = module._generate
     seen_outputs: list[str] = []
 
@@ -95,8 +95,8 @@ def test_crsp_step_survives_hostile_proposals(monkeypatch, tmp_path) -> None:
 
 def test_crsp_passes_the_sandbox_requirement_on() -> None:
     with pytest.raises(ValueError, match="require"):
-        _module(sandbox_require=["teleportation"]).setup("test")
-    module = _module(sandbox_require=["rlimits"])
+        _module(sandbox={"require": ["teleportation"]}).setup("test")
+    module = _module(sandbox={"require": ["rlimits"]})
     module.setup("test")
     try:
         assert module.sandbox.require == ("rlimits",)
