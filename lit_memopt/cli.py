@@ -226,7 +226,7 @@ def _moved_key(cfg: Any, parent: str, leaf: str) -> str | None:
     try:
         from hydra.utils import get_class
 
-        return getattr(get_class(cfg.module._target_), "moved_keys", {}).get(leaf)
+        return getattr(get_class(cfg.module["_target_"]), "moved_keys", {}).get(leaf)
     except Exception:  # noqa: BLE001 - a courtesy on top of the unknown-key message
         return None
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -81,3 +81,23 @@ def run_torchrun_nodes(args: list[str], *, nnodes: int, cwd: Path, timeout_s: fl
         outputs.append(log.read())
         log.close()
     return list(zip(codes, outputs))
+
+
+def this_workers_core() -> set[int]:
+    """One core for a run that must not spin two threads on a shared machine: under pytest-xdist, each worker its
+    own (``gw0`` the first usable core, ``gw1`` the next, ...), so two workers' pinned runs never share one."""
+    cores = sorted(os.sched_getaffinity(0))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    return {cores[index % len(cores)]}
+
+
+@contextlib.contextmanager
+def pinned_to_one_core() -> Iterator[None]:
+    """This process, and every process it starts meanwhile, on :func:`this_workers_core` (restored after)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, this_workers_core())
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _ranks import this_workers_core
 
 
 def start(args: list[str], cwd: Path, log_name: str = "killed.log", one_core: bool = False) -> subprocess.Popen:
@@ -28,7 +29,8 @@ def start(args: list[str], cwd: Path, log_name: str = "killed.log", one_core: bo
     """
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     log = open(cwd / log_name, "w")  # noqa: SIM115 - closed by the child's exit; a pipe could fill up and block it
-    pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
+    core = this_workers_core()
+    pin = (lambda: os.sched_setaffinity(0, core)) if one_core else None
     process = subprocess.Popen([sys.executable, "-m", "lit_memopt", *args], cwd=cwd, env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
     process.log_path = cwd / log_name  # type: ignore[attr-defined]

@@ -15,6 +15,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lit_memopt.data.resumable import ResumableDataLoader
+
 __all__ = ["CodeTask", "CodeTaskDataModule", "TASK_BANK", "call_program", "batch_call_program"]
 
 
@@ -229,7 +231,8 @@ class CodeTaskDataModule(pl.LightningDataModule):
         return sample_tasks(count, seed, templates=self.grammar_templates)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate)
+        # Not shuffled (task i is drawn from (seed, i)); resumable, so a run killed mid-epoch goes on at its next batch.
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate)
