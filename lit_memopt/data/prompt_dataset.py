@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_memopt.data.loading import cache_file, hash_of, load_train_and_eval, require_datasets
-from lit_memopt.data.resumable import ResumableDataLoader
+from lit_memopt.data.resumable import train_or_eval_loader
 from lit_memopt.models.tokens import left_pad, padding_id
 
 __all__ = ["PromptDatasetDataModule", "PromptCollate", "ANSWER_COLUMNS", "OVERLONG", "prompt_kind"]
@@ -336,12 +336,9 @@ class PromptDatasetDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ loaders
     def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
         collate = PromptCollate(padding_id(self.tokenizer), self.answer_column, self.kwarg_columns)
-        if shuffle:  # training: a resume goes on with the next batch of the same shuffle (seeded with data.seed)
-            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
-                                       drop_last=len(dataset) >= self.batch_size, num_workers=self.num_workers,
-                                       collate_fn=collate)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          collate_fn=collate)
+        return train_or_eval_loader(dataset, train=shuffle, seed=self.seed, batch_size=self.batch_size,
+                                    drop_last=len(dataset) >= self.batch_size, num_workers=self.num_workers,
+                                    collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from lit_memopt.data.resumable import ResumableDataLoader
+from lit_memopt.data.resumable import train_or_eval_loader
 from lit_memopt.models.tokens import left_pad, padding_id
 
 TASKS = ("add", "sub", "mul", "max", "copy", "reverse")
@@ -285,13 +285,8 @@ class ReasoningPromptsDataModule(LightningDataModule):
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
         collate = _LeftPadCollate(padding_id(self.tokenizer))
-        if shuffle:
-            # The shuffle comes from the loader's own generator (data.seed), not the global one: a resume goes on
-            # with the next batch of the same shuffle.
-            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
-                                       drop_last=True, num_workers=self.num_workers, collate_fn=collate)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          collate_fn=collate)
+        return train_or_eval_loader(dataset, train=shuffle, seed=self.seed, batch_size=self.batch_size,
+                                    num_workers=self.num_workers, collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from lit_memopt.data.resumable import ResumableDataLoader
+from lit_memopt.data.resumable import train_or_eval_loader
 
 IGNORE_INDEX = -100
 
@@ -175,14 +175,8 @@ class RecallDataModule(LightningDataModule):
         if dataset is None:
             self.setup()
             return self._loader(self.train_set if shuffle else self.val_set, shuffle)
-        if shuffle:
-            # The shuffle comes from the loader's own generator (data.seed), not the global one: a resume goes on
-            # with the next batch of the same shuffle.
-            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
-                                       num_workers=self.num_workers, drop_last=True,
-                                       persistent_workers=self.num_workers > 0)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return train_or_eval_loader(dataset, train=shuffle, seed=self.seed, batch_size=self.batch_size,
+                                    num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

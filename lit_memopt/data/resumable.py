@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["ResumableDataLoader"]
+__all__ = ["ResumableDataLoader", "train_or_eval_loader"]
 
 
 class ResumableDataLoader(DataLoader):
@@ -84,3 +84,14 @@ def _length(loader: DataLoader) -> float:
         return len(loader)
     except TypeError:  # an iterable dataset without a length: an epoch ends when it ends
         return float("inf")
+
+
+def train_or_eval_loader(dataset: Dataset, *, train: bool, seed: int, batch_size: int, drop_last: bool = True,
+                         **kwargs: Any) -> DataLoader:
+    """The data modules' loaders: for training a :class:`ResumableDataLoader` shuffled from ``seed`` (a resume goes
+    on with the next batch of the same shuffle, never drawn from the global generator); for evaluation a plain
+    ``DataLoader`` in order. ``kwargs`` (``num_workers``, ``collate_fn``...) go to both."""
+    if train:
+        return ResumableDataLoader(dataset, seed=seed, batch_size=batch_size, shuffle=True, drop_last=drop_last,
+                                   **kwargs)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)

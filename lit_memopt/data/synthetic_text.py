@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lit_memopt.data.resumable import ResumableDataLoader
+from lit_memopt.data.resumable import train_or_eval_loader
 
 TASKS = ("arithmetic", "copy", "mixed")
 
@@ -95,10 +95,8 @@ class SyntheticTextDataModule(pl.LightningDataModule):
         self.val_set = TokenizedTexts(texts[self.num_train :], self.tokenizer, self.seq_len)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        if shuffle:  # training: a resume goes on with the next batch of the same shuffle (ResumableDataLoader)
-            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
-                                       num_workers=self.num_workers, drop_last=True)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return train_or_eval_loader(dataset, train=shuffle, seed=self.seed, batch_size=self.batch_size,
+                                    num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

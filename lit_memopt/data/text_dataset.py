@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from lit_memopt.data.loading import cache_file, hash_of, load_train_and_eval
-from lit_memopt.data.resumable import ResumableDataLoader
+from lit_memopt.data.resumable import train_or_eval_loader
 from lit_memopt.models.tokens import padding_id
 
 __all__ = ["FORMATS", "TextDatasetDataModule", "detect_format", "segments_of_row", "tokenize_segments", "pack_rows",
@@ -400,12 +400,9 @@ class TextDatasetDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ loaders
     def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
         collate = SFTCollate(padding_id(self.tokenizer), self.max_length)
-        if shuffle:  # training: a resume goes on with the next batch of the same shuffle (seeded with data.seed)
-            return ResumableDataLoader(dataset, seed=self.seed, batch_size=self.batch_size, shuffle=True,
-                                       drop_last=len(dataset) >= self.batch_size, num_workers=self.num_workers,
-                                       collate_fn=collate)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          collate_fn=collate)
+        return train_or_eval_loader(dataset, train=shuffle, seed=self.seed, batch_size=self.batch_size,
+                                    drop_last=len(dataset) >= self.batch_size, num_workers=self.num_workers,
+                                    collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
