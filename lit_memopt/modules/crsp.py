@@ -50,7 +50,6 @@ from lit_memopt.modules.rollout import (
     is_peft_model,
     reference_logprobs,
     response_hidden_states,
-    scatter_response,
 )
 from lit_memopt.rewards.crsp_rewards import (
     AlphaSchedule,
@@ -100,8 +99,9 @@ class CRSPModule(pl.LightningModule):
     are on-policy: one update per rollout). The step's loss is the sum of the three role losses, each
     times its ``roles.<role>.weight``.
 
-    Memory: log-probs come from decoder hidden states through ``linear_logprobs`` (no ``[B, T, V]``
-    logits), reference log-probs without grad in micro-batches. With LoRA (``model.lora``) the
+    Memory: the loss comes from decoder hidden states through ``linear_policy_loss(objective="tr_rpg")`` (no
+    ``[B, T, V]`` logits; the head's gradients are made in the forward pass), reference log-probs without grad
+    in micro-batches. With LoRA (``model.lora``) the
     reference is the base model under ``disable_adapter()``, sharing every weight; without LoRA it
     is a frozen copy of the initial policy (one more copy of the weights, announced at setup).
     Roles are processed one after another and each in micro-batches of ``generation.micro_batch_size``
@@ -367,7 +367,7 @@ class CRSPModule(pl.LightningModule):
             return self._role_backward_active(role, rollout, rewards)
 
     def _role_backward_active(self, role: str, rollout: Rollout, rewards: torch.Tensor) -> torch.Tensor:
-        from lit_memopt.ops import linear_logprobs, tr_rpg_loss
+        from lit_memopt.ops import linear_policy_loss
 
         gen = self.generation
         ids, attn, resp = rollout.input_ids, rollout.attention_mask, rollout.response_mask
@@ -388,9 +388,13 @@ class CRSPModule(pl.LightningModule):
         def micro_batch_loss(part: dict[str, torch.Tensor], share: float) -> torch.Tensor:
             hidden, targets, positions = response_hidden_states(self.model, part["input_ids"], part["attention_mask"],
                                                                 part["response_mask"])
-            logp = scatter_response(linear_logprobs(hidden, weight, targets, temperature=gen.temperature,
-                                                    chunk_size=gen.chunk_size), positions)
-            return tr_rpg_loss(logp, part["ref"], part["advantages"], beta, mask=positions, clamp=clamp) * share
+            # TR-RPG's mean over the response tokens, on their gathered rows (each carrying its sequence's reward),
+            # its head gradients made in the forward pass: three head products per tile instead of the four of
+            # log-probs then tr_rpg_loss (a frozen head, as under LoRA: two, as the frozen log-probs already made).
+            rewards_of_rows = part["advantages"][:, None].expand_as(positions)[positions]
+            return linear_policy_loss(hidden, weight, targets, part["ref"][positions], rewards_of_rows,
+                                      objective="tr_rpg", beta=beta, clamp=clamp, temperature=gen.temperature,
+                                      chunk_size=gen.chunk_size) * share
 
         for start in range(0, ids.shape[0], mb):
             rows = slice(start, start + mb)
