@@ -10,8 +10,8 @@ import functools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lit_memopt._compat.torch import TorchDispatchMode
 from lit_memopt.callbacks.oom_recovery import OOMRecovery
 from lit_memopt.models import ModelConfig, lm_head_weight
 from lit_memopt.modules import crsp as crsp_module

@@ -10,9 +10,10 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
+from lit_memopt._compat.torch import TorchDispatchMode
 from lit_memopt.ops import (
+    _forward_grads,
     linear_cross_entropy,
     linear_entropy,
     linear_logprobs,
@@ -22,7 +23,6 @@ from lit_memopt.ops import (
     ppo_clip_loss,
     tr_rpg_loss,
 )
-from lit_memopt.ops import _forward_grads
 from lit_memopt.ops.linear_head import choose_pass
 
 N_SEQ, T, H, V = 3, 5, 8, 37
@@ -58,17 +58,18 @@ def naive_outputs(hidden, weight, targets, bias=None, **opts):
             "logsumexp": torch.logsumexp(z, -1)}
 
 
-class CountProducts(TorchFunctionMode):
-    """Counts matrix products (any of torch's spellings) run while it is active."""
+class CountProducts(TorchDispatchMode):
+    """Counts matrix products (ATen's mm/addmm/bmm/baddbmm) run while it is active. A dispatch mode: it sees the
+    products inside an autograd Function's backward, which a ``TorchFunctionMode`` does not."""
 
-    NAMES = {"mm", "addmm", "addmm_", "matmul", "bmm", "baddbmm", "__matmul__", "linear"}
+    NAMES = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_"})
 
     def __init__(self):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.NAMES:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.NAMES:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
