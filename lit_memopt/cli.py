@@ -450,7 +450,8 @@ def _run_hydra(command: str, args: list[str]) -> int:
     check_overrides(overrides)
     original = list(sys.argv)
     relaunch = [original[0], command, *args]
-    sys.argv = [original[0], *args]
+    # Hydra's parser takes no override after a flag (`... --config-dir D +experiment=x`): flags first
+    sys.argv = [original[0], *flags, *overrides]
     try:
         main_fn = hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_make_task(command, relaunch))
         main_fn()

@@ -8,9 +8,11 @@ exact and ``memory.plan_time`` ranks them. Exit code 0 when a plan fits, 2 when 
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from lit_memopt.cli_estimate import (
     RecipeEstimator,
@@ -21,14 +23,33 @@ from lit_memopt.cli_estimate import (
     recipe_batch,
 )
 from lit_memopt.memory.batch import batch_geometry, resize_batch
-from lit_memopt.memory.plan import PlanResult, Prediction, RecipeShape, changed_levers, search_plans
+from lit_memopt.memory.plan import (
+    PlanResult,
+    Prediction,
+    RecipeShape,
+    changed_levers,
+    merge_variants,
+    search_plans,
+)
 from lit_memopt.memory.plan_time import device_spec
 from lit_memopt.memory.units import format_bytes
 
 __all__ = ["MATHS_LEVERS", "PlanTracer", "plan_overrides", "plan_recipe", "recipe_shape", "render_plan", "run_plan_command"]
 
-# The levers that change the maths, searched only when named in plan.allow (not searched yet: see docs/planning.md).
+# The levers that change the maths, searched only when named in plan.allow and only when the exact levers alone
+# fit nothing (see docs/planning.md). optim8bit is named but not searched: the pack has no 8-bit optimizer yet.
 MATHS_LEVERS = ("lora", "optim8bit", "shorter_seq")
+SEARCHED_MATHS_LEVERS = ("lora", "shorter_seq")
+# plan.allow=[lora] on a model without adapters: these, the common choice for instruction and RL tuning
+LORA_OVERRIDE = "model.lora={r:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj]}"
+# plan.allow=[shorter_seq]: the first of these keys the recipe has is halved (a row's tokens, or the generated ones)
+SEQUENCE_KEYS = ("data.max_length", "data.seq_len", "module.max_new_tokens")
+# What each maths lever changes, said under the table whenever a listed plan uses it.
+MATHS_EFFECTS = {
+    "lora": "lora: trains rank-16 adapters on the attention projections instead of every weight (a different, "
+            "smaller update; the frozen base also serves as the reference model where the method has one)",
+    "shorter_seq": "shorter_seq: {key} halved to {value} (rows are cut, or fewer tokens generated: the loss sees less)",
+}
 # The module switches that checkpoint every decoder block, by recipe module (the first one the module has).
 CHECKPOINT_KEYS = ("gradient_checkpointing", "checkpoint_steps")
 # Command-line keys that configure the plan itself, not the run it plans.
@@ -38,14 +59,55 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 
 def _plan_section(cfg: Any) -> dict[str, Any]:
     section = cfg.get("plan") or {}
-    allow = list(section.get("allow") or [])
+    allow = section.get("allow") or []
+    if isinstance(allow, str):
+        allow = [allow]
+    allow = [str(a) for a in allow]
     for name in allow:
         if name not in MATHS_LEVERS:
             raise ValueError(f"plan.allow: unknown lever {name!r}; choose from: {', '.join(MATHS_LEVERS)}")
-    if allow:
-        raise ValueError(f"plan.allow={allow}: the levers that change the maths ({', '.join(MATHS_LEVERS)}) are not "
-                         "searched yet; plan without plan.allow (see docs/planning.md)")
-    return {"device": device_spec(section.get("device") or "h100"), "out": section.get("out")}
+        if name not in SEARCHED_MATHS_LEVERS:
+            raise ValueError(f"plan.allow: {name!r} is not searched: lit-memopt has no 8-bit optimizer to run it with; "
+                             f"allow {' or '.join(SEARCHED_MATHS_LEVERS)}, or drop it")
+    out = section.get("out")
+    if out is not None and not str(out).endswith((".yaml", ".yml")):
+        raise ValueError(f"plan.out={out!r}: give a .yaml file (it is written as an experiment config: +experiment=NAME)")
+    return {"device": device_spec(section.get("device") or "h100"), "out": out,
+            "allow": [a for a in SEARCHED_MATHS_LEVERS if a in allow]}
+
+
+def sequence_key(cfg: Any) -> str | None:
+    """The key ``shorter_seq`` halves: the first of :data:`SEQUENCE_KEYS` that holds an integer above 1."""
+    from omegaconf import OmegaConf
+
+    for key in SEQUENCE_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return key
+    return None
+
+
+def maths_overrides(cfg: Any, levers: Sequence[str]) -> list[str]:
+    """The overrides that apply the ``plan.allow`` ``levers`` to the recipe ``cfg``.
+
+    Raises:
+        ValueError: a lever that cannot apply to this recipe (LoRA already on, no sequence length to halve).
+    """
+    from omegaconf import OmegaConf
+
+    out = []
+    for lever in levers:
+        if lever == "lora":
+            if cfg.model.get("lora"):
+                raise ValueError("plan.allow=[lora]: the model already trains LoRA adapters (model.lora is set)")
+            out.append(LORA_OVERRIDE)
+        elif lever == "shorter_seq":
+            key = sequence_key(cfg)
+            if key is None:
+                raise ValueError(f"plan.allow=[shorter_seq]: recipe={cfg.get('recipe_name')} has none of "
+                                 f"{', '.join(SEQUENCE_KEYS)} to halve; shorten its sequences yourself")
+            out.append(f"{key}={int(OmegaConf.select(cfg, key)) // 2}")
+    return out
 
 
 def _checkpoint_key(cfg: Any) -> str | None:
@@ -59,7 +121,7 @@ def _positive(value: Any, key: str) -> int:
     return int(value)
 
 
-def recipe_shape(cfg: Any, batch: Any, blocks: int) -> RecipeShape:
+def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = ()) -> RecipeShape:
     """The recipe as given on the command line, for the search."""
     data = cfg.get("data") or {}
     rows = _positive(data.get("batch_size"), "data.batch_size")
@@ -67,6 +129,7 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int) -> RecipeShape:
     key = _checkpoint_key(cfg)
     parallel = data_parallel_plan(cfg)
     strategy, world = parallel if parallel is not None else ("single", 1)
+    offload = strategy == "fsdp2" and bool((cfg.trainer.get("strategy") or {}).get("cpu_offload", False))
     module = cfg.get("module") or {}
     _, seq = batch_geometry(batch)
     # generation recipes run each row's prompt and its new tokens, and GRPO-style ones sample a group per prompt
@@ -75,6 +138,7 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int) -> RecipeShape:
         rows=rows, accumulation=accumulation, checkpointing=None if key is None else bool(module.get(key)),
         strategy=strategy, world_size=world, nodes=int(cfg.trainer.get("num_nodes") or 1), blocks=blocks,
         tokens_per_row=tokens, dtype_bytes=DTYPE_BYTES.get(str(cfg.model.get("dtype", "float32")), 4),
+        offload=offload, maths=tuple(maths),
     )
 
 
@@ -127,12 +191,40 @@ def plan_recipe(cfg: Any) -> PlanResult:
     from hydra.utils import instantiate
 
     blocks = block_count(instantiate(cfg.model)) or 1
+    result = _search(cfg, blocks, (), opts, device, cpu_target)
+    if result.fits or not section["allow"]:
+        return result
+    # Nothing exact fits: the allowed maths levers, alone and together (lora, shorter_seq, both), each a variant of
+    # the recipe searched like the recipe itself.
+    allow = section["allow"]
+    combos = [(a,) for a in allow] + ([tuple(allow)] if len(allow) > 1 else [])
+    variants = []
+    for combo in combos:
+        variant = compose_variant(cfg, maths_overrides(cfg, combo))
+        variants.append(_search(variant, blocks, combo, opts, device, cpu_target))
+    return merge_variants(result, variants)
+
+
+def compose_variant(cfg: Any, overrides: Sequence[str]) -> Any:
+    """``cfg`` with Hydra-style ``key=value`` overrides applied (the values parsed as the command line would)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = cfg.copy()
+    parser = OverridesParser.create()
+    with open_dict(cfg):
+        for override in parser.parse_overrides(list(overrides)):
+            OmegaConf.update(cfg, override.key_or_group, override.value(), merge=False)
+    return cfg
+
+
+def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any, cpu_target: bool) -> PlanResult:
     tracer = PlanTracer(cfg, cpu_target)
     try:
         tracer.estimator(bool((cfg.get("module") or {}).get(tracer.key))) if tracer.key else tracer.estimator(False)
-        shape = recipe_shape(cfg, tracer.batch, blocks)
+        shape = recipe_shape(cfg, tracer.batch, blocks, maths)
         return search_plans(tracer, shape, opts["gpu_bytes"], device=device, margin=opts["margin"],
-                            use_reserved=not cpu_target)
+                            use_reserved=not cpu_target, offload=not cpu_target)
     finally:
         tracer.close()
 
@@ -143,12 +235,17 @@ def plan_overrides(cfg: Any, result: PlanResult, plan: Prediction) -> list[str]:
     c, recipe = plan.candidate, result.shape.recipe
     out: list[str] = []
     levers = changed_levers(c, recipe)
-    if "strategy" in levers:
+    if c.strategy != recipe.strategy:
         out.append(f"trainer={c.strategy}")
+        if recipe.strategy == "single":
+            out.append("trainer.devices=1")  # FSDP2 on the one device (trainer=fsdp2 defaults to two)
+    if "cpu offload" in levers:
+        out.append(f"trainer.strategy.cpu_offload={str(c.offload).lower()}")
     if "micro-batch" in levers:
         out += [f"data.batch_size={c.micro_batch}", f"trainer.accumulate_grad_batches={c.accumulation}"]
     if "checkpointing" in levers:
         out.append(f"module.{_checkpoint_key(cfg)}={str(c.checkpointing).lower()}")
+    out += maths_overrides(cfg, [m for m in c.maths if m not in recipe.maths])
     return out
 
 
@@ -158,14 +255,15 @@ def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Predict
     replaced = {o.split("=", 1)[0] for o in overrides}
     kept = [a for a in argv if not a.startswith(_PLAN_ONLY) and a.split("=", 1)[0].lstrip("+") not in replaced]
     extra = [f"memory_budget={format_bytes(result.memory_bytes).replace(' ', '')}"] if result.device.name.startswith("CPU") else []
-    return " ".join(["lit-memopt", "fit", *kept, *overrides, *extra])
+    return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in [*kept, *overrides, *extra])])
 
 
 def _describe(p: Prediction) -> str:
     c = p.candidate
     parts = [f"micro-batch {c.micro_batch} × {c.accumulation}", "checkpointing" if c.checkpointing else "no checkpointing"]
     if c.strategy != "single":
-        parts.append(c.strategy)
+        parts.append(c.strategy + (" + cpu offload" if c.offload else ""))
+    parts += list(c.maths)
     return ", ".join(parts)
 
 
@@ -188,13 +286,14 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
     print(f"The recipe as given ({_describe(rec)}): {what} {format_bytes(rec.peak_bytes)} per rank.", file=out)
     unit, scale = _unit(result.memory_bytes)
     if result.fits:
-        header = (f"{'#':>2}  {'plan':<44} {'peak ' + unit:>9} {'headroom':>9} {'step time':>9}  {'peak from':<12} "
+        header = (f"{'#':>2}  {'plan':<58} {'peak ' + unit:>9} {'headroom':>9} {'step time':>9}  {'peak from':<12} "
                   f"levers ({unit} saved, time cost)")
         print(header, file=out)
         print("-" * len(header), file=out)
         for i, p in enumerate(result.plans, 1):
-            levers = "; ".join(f"{k} {saved / scale:.2f}, {cost:+.0%}" for k, (saved, cost) in p.levers.items()) or "none (the recipe)"
-            print(f"{i:>2}  {_describe(p):<44} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
+            levers = "; ".join(k if v is None else f"{k} {v[0] / scale:.2f}, {v[1]:+.0%}" for k, v in p.levers.items())
+            levers = levers or "none (the recipe)"
+            print(f"{i:>2}  {_describe(p):<58} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
                   f"{p.relative_time:>8.2f}×  {'traced' if p.traced else 'interpolated':<12} {levers}", file=out)
         print(f"Step time is relative to the recipe as given ({result.device.name}, memory.plan_time); "
               f"{result.traces} steps traced.", file=out)
@@ -202,36 +301,92 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
             q = result.fastest_not_fitting
             print(f"Fastest plan that does not fit: {_describe(q)} ({format_bytes(q.peak_bytes)}, "
                   f"{'traced' if q.traced else 'interpolated'}).", file=out)
+        for lever in dict.fromkeys(m for p in result.plans for m in p.candidate.maths):
+            print(f"Changes the maths: {_effect(cfg, lever)}.", file=out)
         print(fit_command(argv, cfg, result, result.plans[0]), file=out)
     else:
         # every plan was predicted (the closest's peak), or the optimizer step alone rules them all out (its floor)
         least = result.closest.peak_bytes if result.traces > 1 else max(result.floor_bytes, 1)
         need = least / (1.0 - result.margin)
-        print(f"does not fit: needs at least {need / 2**30:.2f} GiB with every lever (closest plan: {_describe(result.closest)}, "
+        print(f"does not fit: needs at least {format_bytes(need)} with every lever (closest plan: {_describe(result.closest)}, "
               f"{what} {format_bytes(result.closest.peak_bytes)}, {'traced' if result.closest.traced else 'interpolated'})", file=out)
         if result.traces == 1:
-            print(f"The optimizer step alone holds {format_bytes(result.floor_bytes)} per rank (weights, gradients, optimizer "
-                  "states and the update's temporaries), which no micro-batch or checkpointing changes; more devices "
+            offloaded = "" if result.device.name.startswith("CPU") else " even with FSDP2's CPU offload (what stays on the device)"
+            print(f"The optimizer step alone holds {format_bytes(result.floor_bytes)} per rank{offloaded}, which no "
+                  "micro-batch or checkpointing changes; more devices "
                   "with trainer=fsdp2 trainer.devices=N shard it.", file=out)
+        if not result.closest.candidate.maths and not _plan_section(cfg)["allow"]:
+            print("Levers that change the maths may fit: plan.allow=[lora,shorter_seq] searches them.", file=out)
 
 
-def _write_out(path: str, cfg: Any, argv: Sequence[str], result: PlanResult) -> None:
-    """``plan.out=FILE.yaml``: the best plan's overrides and predictions (``lit-memopt fit $(...)`` reads the list)."""
+def experiment_yaml(cfg: Any, result: PlanResult, plan: Prediction) -> str:
+    """``plan``'s overrides as a Hydra experiment config (``# @package _global_``): group choices in its defaults
+    list, keys nested, and the plan's predictions as comments."""
     import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    groups, values = [], OmegaConf.create({})
+    for override in OverridesParser.create().parse_overrides(plan_overrides(cfg, result, plan)):
+        key = override.key_or_group
+        if "." not in key and key in ("trainer", "model", "data", "callbacks", "logger"):
+            groups.append({f"override /{key}": override.value()})
+        else:
+            OmegaConf.update(values, key, override.value(), merge=True)
+    body: dict[str, Any] = {"defaults": [*groups, "_self_"]} if groups else {}
+    body.update(OmegaConf.to_container(values))
+    what = "live tensor bytes" if result.device.name.startswith("CPU") else "reserved peak"
+    head = [
+        "# @package _global_",
+        (f"# lit-memopt plan for recipe={cfg.get('recipe_name')} model={cfg.model.get('name')} in "
+        f"{format_bytes(result.memory_bytes)} per device: {_describe(plan)}"),
+        (f"# predicted {what} {format_bytes(plan.peak_bytes)} per rank ({'traced' if plan.traced else 'interpolated'}), "
+        f"step time {plan.relative_time:.2f}x the recipe's ({result.device.name}, memory.plan_time)"),
+        *(f"# {_effect(cfg, m)}" for m in plan.candidate.maths),
+    ]
+    return "\n".join(head) + "\n" + (yaml.safe_dump(body, sort_keys=False) if body else "{}\n")
+
+
+def experiment_command(argv: Sequence[str], path: str) -> str:
+    """The ``lit-memopt fit`` command that runs an experiment file written at ``path``: its folder's parent is a
+    config directory and the folder's name the group (``plans/experiment/x.yaml``: ``--config-dir plans
+    +experiment=x``)."""
+    from pathlib import Path
+
+    file = Path(path).resolve()
+    kept = [a for a in argv if not a.startswith(_PLAN_ONLY)]
+    return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in kept), "--config-dir", shlex.quote(str(file.parent.parent)),
+                     shlex.quote(f"+{file.parent.name}={file.stem}")])
+
+
+def _effect(cfg: Any, lever: str) -> str:
+    if lever == "shorter_seq":
+        from omegaconf import OmegaConf
+
+        key = sequence_key(cfg)
+        return MATHS_EFFECTS[lever].format(key=key, value=int(OmegaConf.select(cfg, key)) // 2)
+    return MATHS_EFFECTS[lever]
+
+
+def _write_out(path: str, cfg: Any, argv: Sequence[str], result: PlanResult, out: Any = None) -> None:
+    """``plan.out=DIR/GROUP/NAME.yaml``: the best plan as an experiment config, and the command that uses it.
+
+    Refuses to replace a file that is not an earlier plan (nothing a user owns is overwritten silently).
+    """
+    from pathlib import Path
 
     best = result.best
-    data = {
-        "recipe": str(cfg.get("recipe_name")),
-        "fits": result.fits,
-        "command": fit_command(argv, cfg, result, best) if best else None,
-        "overrides": plan_overrides(cfg, result, best) if best else [],
-        "predicted_peak_bytes": int((best or result.closest).peak_bytes),
-        "relative_step_time": float((best or result.closest).relative_time),
-        "memory_bytes": int(result.memory_bytes),
-        "device": result.device.name,
-    }
-    with open(path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(data, handle, sort_keys=False)
+    file = Path(path)
+    if file.exists() and not file.read_text(encoding="utf-8", errors="replace").startswith("# @package _global_\n# lit-memopt plan"):
+        raise ValueError(f"plan.out={path}: the file exists and is not a plan written by lit-memopt; choose a new name")
+    if best is None:
+        print(f"plan.out={path} not written: no plan fits", file=out or sys.stdout)
+        return
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(file.name + ".tmp")
+    tmp.write_text(experiment_yaml(cfg, result, best), encoding="utf-8")
+    tmp.replace(file)
+    print(f"Wrote {path}; run it with: {experiment_command(argv, path)}", file=out or sys.stdout)
 
 
 def run_plan_command(cfg: Any, argv: Sequence[str] = ()) -> int:

@@ -158,3 +158,44 @@ def test_cli_rejects_devices_it_cannot_count(capsys) -> None:  # noqa: ANN001
     for bad in ("auto", "0", "-1"):
         with pytest.raises(ValueError, match=r"trainer.devices must be a positive integer .*e.g. trainer.devices=8"):
             data_parallel_plan(compose_config(["recipe=sft", "trainer=fsdp2", f"trainer.devices={bad}"]))
+
+
+def test_cpu_offload_keeps_model_state_off_the_device() -> None:
+    """FSDP2 with CPUOffloadPolicy: what the module docstring of ``memory.sharding`` says each phase holds."""
+    mib = 2**20
+    single = _single_device()
+    for world in (1, 4):
+        sharded = per_rank_estimate(single, "fsdp2", world)
+        offloaded = per_rank_estimate(single, "fsdp2", world, cpu_offload=True)
+        assert offloaded.peak_bytes < sharded.peak_bytes, (world, offloaded.phase_peaks, sharded.phase_peaks)
+        assert offloaded.reserved_peak_bytes == offloaded.peak_bytes + 10 * mib  # the allocator's overhead is kept
+        assert "cpu offload" in offloaded.method and "runs on the host" in offloaded.method
+        for phase, rows in offloaded.phase_breakdowns.items():
+            # between uses parameters, gradients and optimizer state are sharded in host memory
+            assert rows["parameters"] == rows["gradients"] == rows["optimizer_state"] == 0, (phase, rows)
+            # what compute holds is unchanged
+            assert rows["activations"] == single.phase_breakdowns[phase]["activations"]
+            assert rows["other"] == single.phase_breakdowns[phase]["other"]
+        assert offloaded.peak_bytes == max(sum(b.values()) for b in offloaded.phase_breakdowns.values())
+
+    offloaded = per_rank_estimate(single, "fsdp2", 4, cpu_offload=True)
+    fwd, bwd, opt = (offloaded.phase_breakdowns[p] for p in ("forward", "backward", "optimizer step"))
+    # the root group (20 MiB) and two blocks (20 MiB each) gathered whole, plus the two blocks' shards being copied in
+    assert fwd["communication"] == 20 * mib + 40 * mib + 10 * mib
+    assert fwd["temporaries"] == 5 * mib
+    # + the root's and the current block's whole gradients (40 MiB, capped by the 60 MiB that exist) and their
+    # reduce-scatter shard (a quarter) until it is copied out
+    assert bwd["communication"] == 70 * mib + 40 * mib + 10 * mib
+    # the optimizer step runs on the host: neither model state nor the update's temporaries on the device
+    assert opt == {**single.phase_breakdowns["optimizer step"], "parameters": 0, "gradients": 0, "optimizer_state": 0,
+                   "temporaries": 0, "communication": 0}
+    assert offloaded.peak_phase == "backward"
+    # the host holds one rank's shards of parameters, gradients, optimizer state and the step's temporaries
+    assert "125.0 MiB per rank" in offloaded.method
+
+    # the existing signature keeps its meaning; offload is FSDP2's only
+    assert per_rank_estimate(single, "fsdp2", 4, cpu_offload=False) == per_rank_estimate(single, "fsdp2", 4)
+    with pytest.raises(ValueError, match="cpu_offload is FSDP2's"):
+        per_rank_estimate(single, "ddp", 4, cpu_offload=True)
+    with pytest.raises(ValueError, match="cpu_offload must be a bool"):
+        per_rank_estimate(single, "fsdp2", 4, cpu_offload="yes")  # type: ignore[arg-type]

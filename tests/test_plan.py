@@ -6,9 +6,11 @@ checkpointing, gradients live from the start when accumulating.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from lit_memopt.memory.plan import Candidate, RecipeShape, changed_levers, search_plans
+from lit_memopt.memory.plan import Candidate, RecipeShape, changed_levers, merge_variants, search_plans
 from lit_memopt.memory.plan_time import DEVICES, StepWork, step_seconds
 from lit_memopt.memory.step import PeakEstimate
 
@@ -35,8 +37,8 @@ SHAPE = RecipeShape(rows=16, accumulation=1, checkpointing=False, strategy="sing
                     tokens_per_row=128, dtype_bytes=2)
 
 
-def _plan(memory: int, shape: RecipeShape = SHAPE):
-    return search_plans(_estimate, shape, memory, device=DEVICES["h100"], margin=0.1)
+def _plan(memory: int, shape: RecipeShape = SHAPE, trace=_estimate, offload: bool = True):
+    return search_plans(trace, shape, memory, device=DEVICES["h100"], margin=0.1, offload=offload)
 
 
 def test_a_budget_that_does_not_bind_gives_the_recipe_unchanged() -> None:
@@ -73,8 +75,18 @@ def test_deterministic() -> None:
     assert [(p.candidate, p.peak_bytes, p.seconds) for p in one.plans] == [(p.candidate, p.peak_bytes, p.seconds) for p in two.plans]
 
 
+def test_cpu_offload_fits_what_no_other_exact_lever_does() -> None:
+    # 1.8 GiB: the optimizer step alone holds 1700 MiB on the device; FSDP2's CPU offload moves it to the host
+    result = _plan(int(1.8 * 2**30))
+    assert result.fits
+    best = result.best
+    assert best.candidate.offload and best.candidate.strategy == "fsdp2" and best.traced
+    assert "cpu offload" in best.levers and best.levers["cpu offload"][0] > 0 and best.levers["cpu offload"][1] > 0
+    assert best.relative_time > 1.0  # the copies over PCIe and the host's optimizer step cost time
+
+
 def test_impossible_budget() -> None:
-    result = _plan(int(1.8 * 2**30))  # the optimizer step alone holds 1700 MiB of weights, gradients, states, temporaries
+    result = _plan(int(1.8 * 2**30), offload=False)  # the optimizer step alone holds 1700 MiB of weights, gradients, states, temporaries
     assert not result.fits and result.best is None
     assert result.floor_bytes == 2 * PARAMS + STATES + PARAMS // 4 and result.traces == 1
 
@@ -85,6 +97,33 @@ def test_fsdp2_is_searched_over_the_given_devices() -> None:
     result = _plan(int(2.5 * 2**30), shape)
     assert result.fits and result.best.candidate.strategy == "fsdp2"
     assert "strategy" in result.best.levers
+
+
+def _lora_estimate(ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
+    """The synthetic step with a frozen base: gradients and optimizer states of 1% of the parameters."""
+    est = _estimate(ckpt, rows, acc)
+    phases = {k: dict(v, gradients=v["gradients"] // 100, optimizer_state=v["optimizer_state"] // 100,
+                      temporaries=v["temporaries"] // (100 if k == "optimizer step" else 1))
+              for k, v in est.phase_breakdowns.items()}
+    peaks = {k: sum(v.values()) for k, v in phases.items()}
+    top = max(peaks, key=peaks.get)
+    return dataclasses.replace(est, peak_bytes=peaks[top], breakdown=dict(phases[top]), peak_phase=top, phase_peaks=peaks,
+                               phase_breakdowns=phases, reserved_peak_bytes=peaks[top] + 64 * MIB)
+
+
+def test_maths_levers_merge_against_the_recipe_as_given() -> None:
+    memory = int(1.2 * 2**30)  # no exact lever fits without offload; LoRA's frozen base does
+    base = _plan(memory, offload=False)
+    assert not base.fits
+    lora = _plan(memory, dataclasses.replace(SHAPE, maths=("lora",)), trace=_lora_estimate, offload=False)
+    merged = merge_variants(base, [lora])
+    assert merged.fits and merged.best.candidate.maths == ("lora",)
+    assert "lora" in changed_levers(merged.best.candidate, SHAPE.recipe)
+    assert merged.recipe.candidate == SHAPE.recipe and merged.traces == base.traces + lora.traces
+    # times are relative to the recipe as given, not to the variant's own recipe
+    assert merged.best.relative_time == pytest.approx(merged.best.seconds / base.recipe.seconds)
+    for faster, slower in zip(merged.plans, merged.plans[1:]):
+        assert faster.seconds <= slower.seconds and faster.peak_bytes > slower.peak_bytes
 
 
 @pytest.mark.parametrize("device", sorted(DEVICES))

@@ -5,7 +5,12 @@ The levers searched keep the maths of a step exact:
 - the micro-batch ``m`` with gradient accumulation ``G / m``, where ``G`` (the recipe's rows per rank and
   optimizer step) stays the same, so the global batch does;
 - activation checkpointing of every decoder block (the module's own switch);
-- the data-parallel strategy: FSDP2 instead of DDP over the same devices, or the reverse.
+- the data-parallel strategy: FSDP2 instead of DDP over the same devices, or the reverse;
+- FSDP2 with its parameters, gradients and optimizer state offloaded to host memory (``CPUOffloadPolicy``),
+  on one device as well as several (not for ``plan.device=cpu``, whose device is the host).
+
+The levers that change the maths (``plan.allow``) are searched by ``cli_plan`` as variants of the recipe,
+each searched here like the recipe itself and stamped with its ``maths`` name.
 
 Memory comes from the estimator through a ``trace(checkpointing, rows, accumulating)`` function (one
 single-device :class:`PeakEstimate` at the real block count, itself extrapolated from 1 and 2 blocks);
@@ -23,18 +28,21 @@ deterministic.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 from lit_memopt.memory.blocks import extrapolate
 from lit_memopt.memory.plan_time import DeviceSpec, StepWork, step_seconds
 from lit_memopt.memory.sharding import per_rank_estimate
 from lit_memopt.memory.step import PeakEstimate
 
-__all__ = ["RETRACE", "Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "search_plans", "state_floor"]
+__all__ = ["RETRACE", "Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "merge_variants", "search_plans", "state_floor"]
 
 # How many of the best interpolated candidates are traced again per round before the answer is trusted.
 RETRACE = 3
+# A slower plan is listed only if it needs at least this share less memory than every faster one: plans whose peaks
+# an optimizer step sets (the same for every micro-batch) would otherwise tie by a few bytes.
+PARETO_STEP = 0.01
 
 
 @dataclass(frozen=True, order=True)
@@ -45,6 +53,8 @@ class Candidate:
     accumulation: int
     checkpointing: bool
     strategy: str  # single | ddp | fsdp2
+    offload: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state in host memory
+    maths: tuple[str, ...] = ()  # the plan.allow levers this candidate's recipe variant applies (lora, shorter_seq)
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,8 @@ class RecipeShape:
     blocks: int
     tokens_per_row: float
     dtype_bytes: int
+    offload: bool = False
+    maths: tuple[str, ...] = ()
 
     @property
     def global_rows(self) -> int:
@@ -77,7 +89,7 @@ class RecipeShape:
 
     @property
     def recipe(self) -> Candidate:
-        return Candidate(self.rows, self.accumulation, bool(self.checkpointing), self.strategy)
+        return Candidate(self.rows, self.accumulation, bool(self.checkpointing), self.strategy, self.offload, self.maths)
 
 
 @dataclass
@@ -90,8 +102,9 @@ class Prediction:
     traced: bool
     estimate: PeakEstimate
     relative_time: float = 1.0
-    # lever name -> (bytes saved against the recipe's value of that lever, relative time cost)
-    levers: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # lever name -> (bytes saved against the recipe's value of that lever, relative time cost); None where the plan
+    # without that lever was not predicted
+    levers: dict[str, tuple[int, float] | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,6 +122,7 @@ class PlanResult:
     recipe: Prediction
     traces: int
     floor_bytes: int = 0  # live bytes of the optimizer step that no exact lever changes (a lower bound on every plan)
+    predictions: list[Prediction] = field(default_factory=list)  # every candidate predicted, fastest first
 
     @property
     def fits(self) -> bool:
@@ -132,6 +146,9 @@ def changed_levers(c: Candidate, recipe: Candidate) -> list[str]:
         out.append("checkpointing")
     if c.strategy != recipe.strategy:
         out.append("strategy")
+    if c.offload != recipe.offload:
+        out.append("cpu offload")
+    out += [m for m in c.maths if m not in recipe.maths]
     return out
 
 
@@ -140,7 +157,12 @@ def _revert(c: Candidate, lever: str, recipe: Candidate) -> Candidate:
         return dataclasses.replace(c, micro_batch=recipe.micro_batch, accumulation=recipe.accumulation)
     if lever == "checkpointing":
         return dataclasses.replace(c, checkpointing=recipe.checkpointing)
-    return dataclasses.replace(c, strategy=recipe.strategy)
+    if lever == "cpu offload":
+        # on one device the offloading FSDP2 "strategy" is the lever itself: reverting it is the recipe's strategy
+        return dataclasses.replace(c, offload=recipe.offload, strategy=recipe.strategy if recipe.strategy == "single" else c.strategy)
+    if lever == "strategy":
+        return dataclasses.replace(c, strategy=recipe.strategy)
+    return dataclasses.replace(c, maths=tuple(m for m in c.maths if m != lever))
 
 
 class _Traces:
@@ -168,6 +190,7 @@ def search_plans(
     device: DeviceSpec,
     margin: float,
     use_reserved: bool = True,
+    offload: bool = True,
 ) -> PlanResult:
     """Search the exact levers of ``shape`` for the fastest plan whose peak fits ``memory_bytes * (1 - margin)``.
 
@@ -179,6 +202,7 @@ def search_plans(
         margin: share of ``memory_bytes`` kept free.
         use_reserved: compare the CUDA allocator's reserved peak (GPUs); ``False``: live tensor bytes (the
             ``memory_budget`` simulator of a CPU run).
+        offload: also search FSDP2 with CPU offload (``False`` for a CPU target, whose device is the host).
     """
     usable = int(memory_bytes * (1.0 - margin))
     traces = _Traces(trace)
@@ -186,8 +210,15 @@ def search_plans(
     g = shape.global_rows
     sizes = divisors(g)
     checkpointing = [recipe.checkpointing] if shape.checkpointing is None else sorted({recipe.checkpointing, True})
-    strategies = [shape.strategy] if shape.world_size <= 1 else sorted({shape.strategy, "ddp", "fsdp2"} - {"single"})
-    candidates = sorted(Candidate(m, g // m, ck, st) for m in sizes for ck in checkpointing for st in strategies)
+    if shape.world_size <= 1:
+        strategies = [(shape.strategy, shape.offload)]
+    else:
+        strategies = [(s, shape.offload if s == shape.strategy else False) for s in sorted({shape.strategy, "ddp", "fsdp2"} - {"single"})]
+    if offload and ("fsdp2", True) not in strategies:
+        strategies.append(("fsdp2", True))  # FSDP2 over the same devices (one included), state in host memory
+    strategies = sorted(set(strategies))
+    candidates = sorted(Candidate(m, g // m, ck, st, off, shape.maths) for m in sizes for ck in checkpointing
+                        for st, off in strategies)
     # The recipe's own parameter counts (for the time model), from its trace.
     base = traces.get(recipe.checkpointing, g, False) if recipe.accumulation == 1 else traces.get(recipe.checkpointing, recipe.micro_batch, True)
     work = _work_from(base, shape)
@@ -200,11 +231,11 @@ def search_plans(
         else:
             est, traced = _interpolate(traces, c.checkpointing, c.micro_batch, acc), False
         if c.strategy != "single":
-            est = per_rank_estimate(est, c.strategy, shape.world_size)
+            est = per_rank_estimate(est, c.strategy, max(shape.world_size, 1), cpu_offload=c.offload)
         peak = int(est.reserved_peak_bytes or est.peak_bytes) if use_reserved else int(est.peak_bytes)
         seconds = step_seconds(dataclasses.replace(
             work, tokens=c.micro_batch * shape.tokens_per_row, micro_batches=c.accumulation,
-            recompute=1.0 if c.checkpointing else 0.0, strategy=c.strategy), device)
+            recompute=1.0 if c.checkpointing else 0.0, strategy=c.strategy, cpu_offload=c.offload), device)
         return Prediction(c, peak, seconds, traced, est)
 
     def order(p: Prediction) -> tuple:
@@ -221,19 +252,19 @@ def search_plans(
     # Cheapest answers first. The recipe fits: nothing else can be faster (every lever adds work), so its own
     # trace is the answer. The step with every lever does not fit: nothing does. Otherwise trace the rest.
     recipe_fits = predict(recipe, exact=True).peak_bytes <= usable
-    floor = min(state_floor(predict(dataclasses.replace(recipe, strategy=s)).estimate) for s in strategies)
+    floor = min(state_floor(predict(dataclasses.replace(recipe, strategy=s, offload=o)).estimate) for s, o in strategies)
     if not recipe_fits and floor > usable:
         # The optimizer step holds the weights, gradients, states and the update's temporaries whatever the
         # micro-batch or checkpointing: when they alone pass the budget, no exact lever can help (one trace).
-        candidates = [dataclasses.replace(recipe, strategy=s) for s in strategies]
+        candidates = [dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
     elif recipe_fits:
         sizes = [recipe.micro_batch]
         candidates = [c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)]
     else:
-        smallest = Candidate(sizes[0], g // sizes[0], max(checkpointing), recipe.strategy)
-        if all(predict(dataclasses.replace(smallest, strategy=s), exact=True).peak_bytes > usable for s in strategies):
-            candidates = [dataclasses.replace(smallest, strategy=s) for s in strategies] + [
-                dataclasses.replace(recipe, strategy=s) for s in strategies]
+        smallest = Candidate(sizes[0], g // sizes[0], max(checkpointing), recipe.strategy, recipe.offload, shape.maths)
+        if all(predict(dataclasses.replace(smallest, strategy=s, offload=o), exact=True).peak_bytes > usable for s, o in strategies):
+            candidates = [dataclasses.replace(smallest, strategy=s, offload=o) for s, o in strategies] + [
+                dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
         else:
             for ck in checkpointing:
                 probe(ck)
@@ -253,26 +284,51 @@ def search_plans(
             for other in candidates:  # a trace serves every strategy of the same step
                 if (other.checkpointing, other.micro_batch, other.accumulation) == (c.checkpointing, c.micro_batch, c.accumulation):
                     preds[other] = predict(other, exact=True)
+    return _rank(shape, memory_bytes, usable, margin, device, preds, recipe, preds[recipe], len(traces.done), floor)
+
+
+def merge_variants(base: PlanResult, variants: Sequence[PlanResult]) -> PlanResult:
+    """One answer over the recipe's search and its ``plan.allow`` variants' (each searched by :func:`search_plans`):
+    times relative to the recipe as given, levers named against it, one Pareto front over all of them."""
+    preds: dict[Candidate, Prediction] = {}
+    for result in (base, *variants):
+        for p in result.predictions:
+            preds.setdefault(p.candidate, p)
+    traces = base.traces + sum(v.traces for v in variants)
+    floor = min([base.floor_bytes, *(v.floor_bytes for v in variants)])
+    return _rank(base.shape, base.memory_bytes, base.usable_bytes, base.margin, base.device, preds, base.shape.recipe,
+                 base.recipe, traces, floor)
+
+
+def _rank(shape: RecipeShape, memory_bytes: int, usable: int, margin: float, device: DeviceSpec,
+          preds: dict[Candidate, Prediction], recipe: Candidate, recipe_pred: Prediction, traces: int, floor: int) -> PlanResult:
+    """Rank ``preds`` against ``recipe``: the Pareto front of fitting plans with each lever's saving and cost."""
+
+    def order(p: Prediction) -> tuple:
+        # Fewer changes to the maths first (a plan.allow lever only where the exact ones do not fit, and one where
+        # one is enough), then the fastest.
+        return (len(p.candidate.maths), round(p.seconds, 12), len(changed_levers(p.candidate, recipe)), p.peak_bytes, p.candidate)
+
     ranked = sorted(preds.values(), key=order)
-    recipe_pred = preds[recipe]
     for p in ranked:
         p.relative_time = p.seconds / recipe_pred.seconds
+        p.levers = {}
     fitting = [p for p in ranked if p.peak_bytes <= usable]
     plans: list[Prediction] = []
-    for p in fitting:  # fastest first: keep a plan only if it needs less memory than every faster one
-        if not plans or p.peak_bytes < min(q.peak_bytes for q in plans):
+    for p in fitting:  # fastest first: keep a plan only if it needs clearly less memory than every faster one
+        if not plans or p.peak_bytes < min(q.peak_bytes for q in plans) * (1.0 - PARETO_STEP):
             plans.append(p)
     for p in plans:
         for lever in changed_levers(p.candidate, recipe):
             ref = preds.get(_revert(p.candidate, lever, recipe))
-            if ref is not None:
-                p.levers[lever] = (ref.peak_bytes - p.peak_bytes, p.seconds / ref.seconds - 1.0)
+            # None: the plan without this lever was not predicted (a maths lever searched only with another one)
+            p.levers[lever] = None if ref is None else (ref.peak_bytes - p.peak_bytes, p.seconds / ref.seconds - 1.0)
     # the closest plan: the fastest of those within 1% of the smallest peak (peaks an optimizer step dominates tie)
     least = min(p.peak_bytes for p in ranked)
     closest = next(p for p in ranked if p.peak_bytes <= least * 1.01)
     not_fitting = next((p for p in ranked if p.peak_bytes > usable), None)
-    return PlanResult(shape, memory_bytes, usable, margin, device, plans, closest, not_fitting, recipe_pred,
-                      len(traces.done), floor)
+    return PlanResult(shape, memory_bytes, usable, margin, device, plans, closest, not_fitting, recipe_pred, traces,
+                      floor, ranked)
 
 
 def state_floor(est: PeakEstimate) -> int:

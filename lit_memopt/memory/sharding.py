@@ -13,6 +13,17 @@ backward and the input batch are those of one device. What changes is the model 
   gradients of the current block and of the root wait for their reduce-scatter (never more than the
   gradients that exist at the backward's peak).
 
+- ``fsdp2`` with ``cpu_offload=True`` (torch's ``CPUOffloadPolicy``, ``trainer.strategy.cpu_offload=true``): the
+  sharded parameters, gradients and optimizer state live in host memory, so between uses the device holds none of
+  them (``parameters``, ``gradients`` and ``optimizer_state`` rows are 0). In forward and backward the device holds
+  what it gathers, whole: the root group and two blocks, as without offload, plus the local shards of those two
+  blocks while they are copied in for their all-gather (``2 x block / W``, small). In backward it also holds the
+  unsharded gradients awaiting their reduce-scatter (as without offload) and their reduce-scatter output, one
+  shard, until it is copied out to the host. The optimizer step runs on the host (torch's CPU AdamW): its device
+  bytes are 0 for model state and the update's temporaries; what is left on the device in that phase is what the
+  single-device step held besides them (buffers, the batch). The host holds the shards of parameters, gradients
+  and optimizer state and the step's temporaries (one rank's share: ``method`` says how much).
+
 Mixed-precision all-gathers (``MixedPrecisionPolicy``) are not modelled: the gathered blocks count at the
 parameters' dtype, which over-counts a bf16 all-gather of fp32 weights.
 """
@@ -41,7 +52,7 @@ def block_parameter_bytes(estimate: PeakEstimate) -> tuple[int, int]:
     return largest, total
 
 
-def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) -> PeakEstimate:
+def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *, cpu_offload: bool = False) -> PeakEstimate:
     """The peak of one rank of ``world_size`` data-parallel ranks, from the single-device ``estimate``.
 
     Args:
@@ -49,6 +60,8 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) ->
             extrapolation fill them).
         strategy: ``"ddp"`` or ``"fsdp2"``.
         world_size: data-parallel ranks (``trainer.devices * trainer.num_nodes``), >= 1.
+        cpu_offload: FSDP2 with ``CPUOffloadPolicy`` (``"fsdp2"`` only; see the module docstring): the
+            device's bytes; the host's are in ``method``.
 
     Returns:
         A :class:`PeakEstimate` whose breakdowns are per rank (with a ``communication`` row), whose
@@ -56,10 +69,15 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) ->
         single-device replay.
 
     Raises:
-        ValueError: an unknown strategy, a world size below 1, or an estimate without phase breakdowns.
+        ValueError: an unknown strategy, a world size below 1, an estimate without phase breakdowns, or
+            ``cpu_offload`` that is not a bool or is set with a strategy other than ``"fsdp2"``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"per_rank_estimate: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not isinstance(cpu_offload, bool):
+        raise ValueError(f"per_rank_estimate: cpu_offload must be a bool, got {cpu_offload!r}")
+    if cpu_offload and strategy != "fsdp2":
+        raise ValueError(f"per_rank_estimate: cpu_offload is FSDP2's (CPUOffloadPolicy); strategy={strategy!r} has none")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"per_rank_estimate: world_size must be a positive integer, got {world_size!r}")
     if not estimate.phase_breakdowns:
@@ -74,6 +92,9 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) ->
     for phase, single in estimate.phase_breakdowns.items():
         rank = {k: int(v) for k, v in single.items()}
         rank.setdefault(COMMUNICATION_ROW, 0)
+        if cpu_offload:
+            phase_breakdowns[phase] = _offloaded_phase(phase, single, rank, world_size, root, largest_block, trainable_share)
+            continue
         if strategy == "ddp":
             rank[COMMUNICATION_ROW] += grads  # gradient buckets, allocated with the DDP wrapper
         else:
@@ -101,6 +122,14 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) ->
         reserved = peak + max(estimate.reserved_peak_bytes - estimate.peak_bytes, 0)
     if strategy == "ddp":
         how = f"per rank of {world_size} (ddp): model state replicated, plus gradient buckets ({_mib(grads)})"
+    elif cpu_offload:
+        w = world_size
+        host = sum(-(-step.get(k, 0) // w) for k in ("parameters", "gradients", "optimizer_state", "temporaries"))
+        how = (f"per rank of {world_size} (fsdp2, cpu offload): parameters, gradients and optimizer state sharded in host "
+               f"memory ({_mib(host)} per rank with the step's temporaries as traced), none on the device between uses; "
+               f"forward/backward hold the root group ({_mib(root)}) and two gathered blocks ({_mib(largest_block)} each) "
+               f"plus their shards being copied in, backward the unsharded gradients awaiting reduce-scatter and their "
+               f"shard until copied out; the optimizer step runs on the host (no device bytes for model state)")
     else:
         how = (f"per rank of {world_size} (fsdp2): parameters, gradients and optimizer state sharded; forward/backward "
                f"also hold the root group ({_mib(root)}) and two gathered blocks ({_mib(largest_block)} each)")
@@ -114,6 +143,26 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int) ->
         reserved_peak_bytes=reserved,
         method=f"{estimate.method}; {how}",
     )
+
+
+def _offloaded_phase(phase: str, single: dict[str, int], rank: dict[str, int], world_size: int, root: int,
+                     largest_block: int, trainable_share: float) -> dict[str, int]:
+    """One phase's device bytes under FSDP2 with CPU offload (the module docstring says what is assumed)."""
+    w = world_size
+    for key in ("parameters", "gradients", "optimizer_state"):
+        rank[key] = 0  # sharded in host memory between uses
+    if phase == "optimizer step":
+        rank["temporaries"] = 0  # the update's temporaries are made on the host, next to the shards
+        return rank
+    blocks = 2 * largest_block  # the block being computed and the prefetched one
+    # gathered whole on the device, plus the two blocks' shards while they are copied in for their all-gather
+    rank[COMMUNICATION_ROW] += root + blocks + -(-blocks // w)
+    if phase == "backward":
+        # the unsharded gradients of the root and the current block awaiting their reduce-scatter (no more than
+        # existed at the single device's backward peak), and the reduce-scatter's shard until it is copied out
+        pending = min(single.get("gradients", 0), int(trainable_share * (root + largest_block)))
+        rank[COMMUNICATION_ROW] += pending + -(-pending // w)
+    return rank
 
 
 def _mib(n: Any) -> str:

@@ -67,6 +67,19 @@ def pretrained_tokenizer(path: str):
                          f"({str(err).splitlines()[0][:160]}); set model.tokenizer=/path/to/its/tokenizer.") from None
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer of a transformers model.
+
+    transformers 5.x renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` (the old
+    name warns that it goes in v6); older releases have only the old name.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
     """The ``[V, H]`` output-embedding weight of a transformers causal LM (LoRA-wrapped or not)."""
     head = model.get_output_embeddings()

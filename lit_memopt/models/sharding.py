@@ -5,6 +5,10 @@ Modules call :func:`shard_for_fsdp2` from ``configure_model``; it does nothing u
 The root group (embeddings, final norm, LM head) stays unsharded from the root's forward until its
 backward (FSDP2 does not reshard the root after forward), which is why every forward goes through the
 root (:func:`lit_memopt.models.hf.decoder_outputs`) and the fused head ops then see a plain weight.
+
+With ``trainer.strategy.cpu_offload=true`` (the pack's :class:`lit_memopt.strategies.ModelParallelStrategy`) every
+``fully_shard`` call also gets torch's ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state stay
+in host memory and the optimizer step runs on the CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from torch import nn
 
 from lit_memopt._compat.lightning import attached_trainer
 
-__all__ = ["RootCall", "is_fsdp_sharded", "mixed_precision_policy", "shard_blocks_and_root", "shard_for_fsdp2", "decoder_blocks"]
+__all__ = ["RootCall", "is_fsdp_sharded", "mixed_precision_policy", "offload_policy", "strategy_offloads", "shard_blocks_and_root",
+           "shard_for_fsdp2", "decoder_blocks"]
 
 
 def is_fsdp_sharded(model: nn.Module) -> bool:
@@ -39,6 +44,27 @@ def mixed_precision_policy(precision: Any) -> Any:
     if text.startswith("16"):
         return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     return None
+
+
+def offload_policy(cpu_offload: bool) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` when ``cpu_offload`` (pinned host memory when CUDA is available), else ``None``."""
+    if not cpu_offload:
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+
+
+def strategy_offloads(trainer: Any) -> bool:
+    """Whether the trainer's strategy asks for CPU offload (``trainer.strategy.cpu_offload``; ``False`` without one).
+
+    Raises:
+        ValueError: a ``cpu_offload`` attribute that is not a bool.
+    """
+    value = getattr(getattr(trainer, "strategy", None), "cpu_offload", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"trainer.strategy.cpu_offload must be true or false, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -72,13 +98,19 @@ class RootCall(nn.Module):
         return fn(*args, **kwargs)
 
 
-def shard_blocks_and_root(model: nn.Module, mesh: Any, precision: Any = None, root: nn.Module | None = None) -> nn.Module:
+def shard_blocks_and_root(model: nn.Module, mesh: Any, precision: Any = None, root: nn.Module | None = None,
+                          cpu_offload: bool = False) -> nn.Module:
     """``fully_shard`` each decoder block, then the root: ``root`` if given (a :class:`RootCall` around
-    ``model``), else the causal LM (the base model under peft)."""
+    ``model``), else the causal LM (the base model under peft). ``cpu_offload``: every call gets
+    :func:`offload_policy` (parameters, gradients and optimizer state in host memory)."""
     from torch.distributed.fsdp import fully_shard
 
+    kwargs: dict[str, Any] = {"mesh": mesh}
     policy = mixed_precision_policy(precision)
-    kwargs = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    if cpu_offload:
+        kwargs["offload_policy"] = offload_policy(True)
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
     if root is None:
@@ -92,6 +124,7 @@ def shard_for_fsdp2(module: Any, *models: nn.Module, root: nn.Module | None = No
 
     A no-op without a device mesh (single device, DDP) and for models already sharded (a second
     ``fit`` on the same module). Frozen reference models are passed or not as the method needs.
+    The strategy's ``cpu_offload`` (``trainer.strategy.cpu_offload``) offloads every sharded model.
     ``root`` (with one model) replaces the model's own root, e.g. a :class:`RootCall`.
     """
     mesh = getattr(module, "device_mesh", None)
@@ -104,9 +137,11 @@ def shard_for_fsdp2(module: Any, *models: nn.Module, root: nn.Module | None = No
             "lit-memopt modules shard with data parallelism only: set tensor_parallel_size=1 in ModelParallelStrategy "
             f"(got {mesh['tensor_parallel'].size()})."
         )
-    precision = getattr(attached_trainer(module), "precision", None)
+    trainer = attached_trainer(module)
+    precision = getattr(trainer, "precision", None)
+    cpu_offload = strategy_offloads(trainer)
     if root is not None and len(models) != 1:
         raise ValueError("shard_for_fsdp2: `root` replaces the root of exactly one model")
     for model in models:
         if not is_fsdp_sharded(model):
-            shard_blocks_and_root(model, data_mesh, precision, root=root)
+            shard_blocks_and_root(model, data_mesh, precision, root=root, cpu_offload=cpu_offload)

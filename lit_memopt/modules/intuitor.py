@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -13,24 +14,25 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.models import lm_head_weight
-from lit_memopt.modules.heldout import MeanAndStderr
-from lit_memopt.modules._optim import adamw_with_warmup
+from lit_memopt.models.hf import enable_gradient_checkpointing
 from lit_memopt.models.sharding import shard_for_fsdp2
-from lit_memopt.seeding import derive_seed
-from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
-from lit_memopt.rewards.verifiers import call_reward_fn, load_reward_fn
+from lit_memopt.modules._optim import adamw_with_warmup
+from lit_memopt.modules.heldout import MeanAndStderr
 from lit_memopt.modules.rollout import (
-    Rollout,
-    scatter_response,
-    generate,
     SCALE_REWARDS,
+    Rollout,
+    generate,
     group_advantages,
-    share_rewards_of_identical_responses,
     is_peft_model,
     masked_mean,
     reference_logprobs,
     response_hidden_states,
+    scatter_response,
+    share_rewards_of_identical_responses,
 )
+from lit_memopt.modules.warm_start import WarmStart, warm_start_in_setup
+from lit_memopt.rewards.verifiers import call_reward_fn, load_reward_fn
+from lit_memopt.seeding import derive_seed
 
 
 class IntuitorModule(pl.LightningModule):
@@ -174,7 +176,7 @@ class IntuitorModule(pl.LightningModule):
         self.val_accuracy = MeanAndStderr()  # over held-out prompts
         self.val_accuracy_greedy = MeanAndStderr()
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(self.model)
         self.reference: torch.nn.Module | None = None
         if kl_coef > 0 and not is_peft_model(self.model):
             # No adapter to switch off: keep a frozen copy of the initial policy as the reference.
@@ -294,7 +296,7 @@ class IntuitorModule(pl.LightningModule):
 
         hidden, targets, positions = response_hidden_states(self.model, *args)
         weight = lm_head_weight(self.model)
-        head = dict(temperature=hp.temperature, chunk_size=hp.chunk_size)
+        head = {"temperature": hp.temperature, "chunk_size": hp.chunk_size}
         with torch.no_grad():
             # The sampling policy's log-probs (this step samples on-policy) and the reward, a fixed number per
             # response, in one pass over the head without gradients: one product.
@@ -442,7 +444,7 @@ class _BatchRollout:
         if prompt_ids.shape[1:] != full.shape[1:] or prompt_ids.device != full.device:
             return None
         # Micro-batches come in order (and restart from 0 after an OOM): look from where the last one ended.
-        starts = list(range(self._cursor, full.shape[0] - size + 1)) + list(range(0, self._cursor))
+        starts = list(range(self._cursor, full.shape[0] - size + 1)) + list(range(self._cursor))
         start = next((i for i in starts if torch.equal(full[i : i + size], prompt_ids)), None)
         if start is None:
             return None

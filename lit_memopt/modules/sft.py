@@ -7,10 +7,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_memopt.models.hf import ModelConfig, decoder_hidden_states, lm_head_weight
-from lit_memopt.ops import linear_cross_entropy
-from lit_memopt.modules._optim import adamw_with_warmup
+from lit_memopt.models.hf import (
+    ModelConfig,
+    decoder_hidden_states,
+    enable_gradient_checkpointing,
+    lm_head_weight,
+)
 from lit_memopt.models.sharding import shard_for_fsdp2
+from lit_memopt.modules._optim import adamw_with_warmup
+from lit_memopt.ops import linear_cross_entropy
 
 
 def next_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +86,7 @@ class SFTModule(pl.LightningModule):
         self.tokenizer = tokenizer
         self.model = model_config.build_model()
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(self.model)
 
     def configure_model(self) -> None:
         """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
