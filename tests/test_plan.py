@@ -135,3 +135,16 @@ def test_step_time_model_orders_the_levers(device: str) -> None:
     assert step_seconds(StepWork(**{**work.__dict__, "recompute": 1.0}), spec) > base
     assert step_seconds(StepWork(**{**work.__dict__, "tokens": 2048, "micro_batches": 16}), spec) > base
     assert Candidate(1, 16, False, "single") < Candidate(2, 8, False, "single")  # a total order: deterministic ties
+
+
+def test_the_gpu_check_counts_misordered_pairs_beyond_ten_percent() -> None:
+    from benchmarks.plan_cuda import choose, misordered
+
+    rows = [{"plan": "a", "predicted_s": 1.0, "measured_s": 1.05}, {"plan": "b", "predicted_s": 2.0, "measured_s": 1.0},
+            {"plan": "c", "predicted_s": 3.0, "measured_s": 0.5}, {"plan": "d", "predicted_s": 4.0, "measured_s": None}]
+    # a before b: measured 5% apart, within the tolerance; a and b before c: c measured 2x faster, both mis-ordered
+    assert misordered(rows) == [("a", "c"), ("b", "c")]
+    result = _plan(int(2.6 * 2**30))
+    chosen = choose(result, 4)
+    assert len(chosen) == 4 and all(p.peak_bytes <= result.usable_bytes for p in chosen)
+    assert [p.seconds for p in chosen] == sorted(p.seconds for p in chosen)
