@@ -33,6 +33,7 @@ from lit_memopt.memory.plan import (
 )
 from lit_memopt.memory.plan_time import device_spec
 from lit_memopt.memory.units import format_bytes
+from lit_memopt.models.sharding import replicated_parameter_bytes
 
 __all__ = ["MATHS_LEVERS", "PlanTracer", "plan_overrides", "plan_recipe", "recipe_shape", "render_plan", "run_plan_command"]
 
@@ -121,7 +122,7 @@ def _positive(value: Any, key: str) -> int:
     return int(value)
 
 
-def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = ()) -> RecipeShape:
+def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), replicated: int = 0) -> RecipeShape:
     """The recipe as given on the command line, for the search."""
     data = cfg.get("data") or {}
     rows = _positive(data.get("batch_size"), "data.batch_size")
@@ -138,7 +139,7 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = ()) -
         rows=rows, accumulation=accumulation, checkpointing=None if key is None else bool(module.get(key)),
         strategy=strategy, world_size=world, nodes=int(cfg.trainer.get("num_nodes") or 1), blocks=blocks,
         tokens_per_row=tokens, dtype_bytes=DTYPE_BYTES.get(str(cfg.model.get("dtype", "float32")), 4),
-        offload=offload, maths=tuple(maths),
+        offload=offload, maths=tuple(maths), replicated_bytes=int(replicated),
     )
 
 
@@ -221,8 +222,8 @@ def compose_variant(cfg: Any, overrides: Sequence[str]) -> Any:
 def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any, cpu_target: bool) -> PlanResult:
     tracer = PlanTracer(cfg, cpu_target)
     try:
-        tracer.estimator(bool((cfg.get("module") or {}).get(tracer.key))) if tracer.key else tracer.estimator(False)
-        shape = recipe_shape(cfg, tracer.batch, blocks, maths)
+        est = tracer.estimator(bool((cfg.get("module") or {}).get(tracer.key))) if tracer.key else tracer.estimator(False)
+        shape = recipe_shape(cfg, tracer.batch, blocks, maths, replicated_parameter_bytes(est.run.module, blocks))
         return search_plans(tracer, shape, opts["gpu_bytes"], device=device, margin=opts["margin"],
                             use_reserved=not cpu_target, offload=not cpu_target)
     finally:

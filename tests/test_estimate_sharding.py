@@ -199,3 +199,42 @@ def test_cpu_offload_keeps_model_state_off_the_device() -> None:
         per_rank_estimate(single, "ddp", 4, cpu_offload=True)
     with pytest.raises(ValueError, match="cpu_offload must be a bool"):
         per_rank_estimate(single, "fsdp2", 4, cpu_offload="yes")  # type: ignore[arg-type]
+
+
+def test_frozen_models_kept_whole_on_every_rank() -> None:
+    # 40 of the 100 MiB of parameters are a frozen reference the method does not shard: 2 of its 4 blocks rows'
+    # worth of blocks are the reference's, so the policy's blocks are 40 MiB and its root 20 MiB
+    mib = 2**20
+    single = _single_device()
+    plain = per_rank_estimate(single, "fsdp2", 4)
+    kept = per_rank_estimate(single, "fsdp2", 4, replicated_bytes=40 * mib)
+    for phase, b in kept.phase_breakdowns.items():
+        assert b["parameters"] == 15 * mib + 40 * mib, phase  # a quarter of the policy's 60 MiB, the reference whole
+        assert b["optimizer_state"] == plain.phase_breakdowns[phase]["optimizer_state"]
+    assert kept.peak_bytes > plain.peak_bytes and "kept whole on every rank: 40.0 MiB" in kept.method
+    offloaded = per_rank_estimate(single, "fsdp2", 4, cpu_offload=True, replicated_bytes=40 * mib)
+    for phase, b in offloaded.phase_breakdowns.items():
+        assert b["parameters"] == 40 * mib and b["gradients"] == 0 and b["optimizer_state"] == 0, phase
+    # DDP replicates everything anyway: the argument changes nothing
+    assert per_rank_estimate(single, "ddp", 4, replicated_bytes=40 * mib).phase_breakdowns == \
+        per_rank_estimate(single, "ddp", 4).phase_breakdowns
+    with pytest.raises(ValueError, match="replicated_bytes"):
+        per_rank_estimate(single, "fsdp2", 4, replicated_bytes=200 * mib)
+
+
+def test_grade_names_its_reference_and_reward_model_as_replicated() -> None:
+    from lit_memopt.cli import compose_config, instantiate_run
+    from lit_memopt.cli_estimate import step_config
+    from lit_memopt.models.sharding import decoder_blocks, replicated_parameter_bytes
+
+    module = instantiate_run(step_config(compose_config(["recipe=grade"]))).module
+
+    def size(m: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    assert module.fsdp2_replicated == ("reference", "reward_model")
+    built = replicated_parameter_bytes(module)
+    assert built == size(module.reference) + size(module.reward_model) > 0
+    blocks = decoder_blocks(module.reference)
+    # at twice the depth the reference counts its blocks twice (the estimator's fake module is built shallower)
+    assert replicated_parameter_bytes(module, 2 * len(blocks)) == built + sum(size(b) for b in blocks)

@@ -82,6 +82,7 @@ class RecipeShape:
     dtype_bytes: int
     offload: bool = False
     maths: tuple[str, ...] = ()
+    replicated_bytes: int = 0  # frozen models' parameters kept whole on every rank under FSDP2 (per_rank_estimate)
 
     @property
     def global_rows(self) -> int:
@@ -144,8 +145,8 @@ def changed_levers(c: Candidate, recipe: Candidate) -> list[str]:
         out.append("micro-batch")
     if c.checkpointing != recipe.checkpointing:
         out.append("checkpointing")
-    if c.strategy != recipe.strategy:
-        out.append("strategy")
+    if c.strategy != recipe.strategy and not (recipe.strategy == "single" and c.offload):
+        out.append("strategy")  # (on one device, FSDP2 is only there for its offload: one lever, "cpu offload")
     if c.offload != recipe.offload:
         out.append("cpu offload")
     out += [m for m in c.maths if m not in recipe.maths]
@@ -231,12 +232,16 @@ def search_plans(
         else:
             est, traced = _interpolate(traces, c.checkpointing, c.micro_batch, acc), False
         if c.strategy != "single":
-            est = per_rank_estimate(est, c.strategy, max(shape.world_size, 1), cpu_offload=c.offload)
+            est = per_rank_estimate(est, c.strategy, max(shape.world_size, 1), cpu_offload=c.offload,
+                                    replicated_bytes=min(shape.replicated_bytes, est.phase_breakdowns.get(
+                                        "optimizer step", {}).get("parameters", shape.replicated_bytes)))
         peak = int(est.reserved_peak_bytes or est.peak_bytes) if use_reserved else int(est.peak_bytes)
-        seconds = step_seconds(dataclasses.replace(
+        return Prediction(c, peak, seconds(c), traced, est)
+
+    def seconds(c: Candidate) -> float:  # the time model needs no trace of the candidate, only the recipe's
+        return step_seconds(dataclasses.replace(
             work, tokens=c.micro_batch * shape.tokens_per_row, micro_batches=c.accumulation,
             recompute=1.0 if c.checkpointing else 0.0, strategy=c.strategy, cpu_offload=c.offload), device)
-        return Prediction(c, peak, seconds, traced, est)
 
     def order(p: Prediction) -> tuple:
         return (round(p.seconds, 12), len(changed_levers(p.candidate, recipe)), p.peak_bytes, p.candidate)
@@ -252,14 +257,28 @@ def search_plans(
     # Cheapest answers first. The recipe fits: nothing else can be faster (every lever adds work), so its own
     # trace is the answer. The step with every lever does not fit: nothing does. Otherwise trace the rest.
     recipe_fits = predict(recipe, exact=True).peak_bytes <= usable
-    floor = min(state_floor(predict(dataclasses.replace(recipe, strategy=s, offload=o)).estimate) for s, o in strategies)
+    floors = {(s, o): state_floor(predict(dataclasses.replace(recipe, strategy=s, offload=o)).estimate) for s, o in strategies}
+    floor = min(floors.values())
+    # The recipe's micro-batch and checkpointing under each strategy whose optimizer step leaves room: predicted
+    # from the recipe's own trace. When one fits, only candidates the time model puts before it need tracing.
+    at_recipe = [dataclasses.replace(recipe, strategy=s, offload=o) for (s, o), f in floors.items() if f <= usable]
+    fitting_at_recipe = [c for c in at_recipe if predict(c).peak_bytes <= usable]
+    bound = min((seconds(c) for c in fitting_at_recipe), default=None)
+    faster = [] if bound is None else [c for c in candidates if floors[(c.strategy, c.offload)] <= usable and seconds(c) < bound]
     if not recipe_fits and floor > usable:
         # The optimizer step holds the weights, gradients, states and the update's temporaries whatever the
         # micro-batch or checkpointing: when they alone pass the budget, no exact lever can help (one trace).
         candidates = [dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
-    elif recipe_fits:
+    elif recipe_fits or (fitting_at_recipe and not faster):
+        # the recipe fits (nothing else can be faster: every lever adds work), or it fits under a strategy before
+        # which no other open candidate is predicted faster: its one trace is the answer
         sizes = [recipe.micro_batch]
         candidates = [c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)]
+    elif fitting_at_recipe:
+        # only the candidates predicted faster than the recipe's step under the best fitting strategy can beat it
+        for ck in sorted({c.checkpointing for c in faster}):
+            probe(ck)
+        candidates = sorted(set(faster) | {c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)})
     else:
         smallest = Candidate(sizes[0], g // sizes[0], max(checkpointing), recipe.strategy, recipe.offload, shape.maths)
         if all(predict(dataclasses.replace(smallest, strategy=s, offload=o), exact=True).peak_bytes > usable for s, o in strategies):

@@ -52,7 +52,8 @@ def block_parameter_bytes(estimate: PeakEstimate) -> tuple[int, int]:
     return largest, total
 
 
-def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *, cpu_offload: bool = False) -> PeakEstimate:
+def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *, cpu_offload: bool = False,
+                      replicated_bytes: int = 0) -> PeakEstimate:
     """The peak of one rank of ``world_size`` data-parallel ranks, from the single-device ``estimate``.
 
     Args:
@@ -62,6 +63,9 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
         world_size: data-parallel ranks (``trainer.devices * trainer.num_nodes``), >= 1.
         cpu_offload: FSDP2 with ``CPUOffloadPolicy`` (``"fsdp2"`` only; see the module docstring): the
             device's bytes; the host's are in ``method``.
+        replicated_bytes: parameter bytes of frozen models the method keeps whole on every rank under FSDP2
+            (a full reference copy, a reward model: ``fsdp2_replicated`` of the pack's modules); they are neither
+            sharded nor offloaded, and their blocks are never gathered.
 
     Returns:
         A :class:`PeakEstimate` whose breakdowns are per rank (with a ``communication`` row), whose
@@ -84,9 +88,16 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
         raise ValueError("per_rank_estimate: the estimate has no phase breakdowns to scale")
     step = estimate.phase_breakdowns.get("optimizer step") or max(estimate.phase_breakdowns.values(), key=lambda b: sum(b.values()))
     params, grads = step.get("parameters", 0), step.get("gradients", 0)
-    trainable_share = grads / params if params else 0.0
+    if isinstance(replicated_bytes, bool) or not isinstance(replicated_bytes, int) or not 0 <= replicated_bytes <= params:
+        raise ValueError(f"per_rank_estimate: replicated_bytes must be an integer in [0, {params}], got {replicated_bytes!r}")
+    replicated = replicated_bytes if strategy == "fsdp2" else 0
+    sharded = params - replicated
+    trainable_share = grads / sharded if sharded else 0.0
     largest_block, all_blocks = block_parameter_bytes(estimate)
-    root = max(params - all_blocks, 0)
+    # the frozen replicated models have the policy's architecture or none of its blocks: what is left of the block
+    # rows after them is the policy's, and its root the rest of its parameters
+    all_blocks = max(all_blocks - replicated, 0) if replicated else all_blocks
+    root = max(sharded - all_blocks, 0)
 
     phase_breakdowns: dict[str, dict[str, int]] = {}
     for phase, single in estimate.phase_breakdowns.items():
@@ -94,6 +105,7 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
         rank.setdefault(COMMUNICATION_ROW, 0)
         if cpu_offload:
             phase_breakdowns[phase] = _offloaded_phase(phase, single, rank, world_size, root, largest_block, trainable_share)
+            rank["parameters"] += replicated  # frozen models kept whole on the device
             continue
         if strategy == "ddp":
             rank[COMMUNICATION_ROW] += grads  # gradient buckets, allocated with the DDP wrapper
@@ -101,6 +113,7 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
             w = world_size
             for key in ("parameters", "gradients", "optimizer_state"):
                 rank[key] = -(-rank.get(key, 0) // w)
+            rank["parameters"] = -(-(single.get("parameters", 0) - replicated) // w) + replicated
             if phase == "optimizer step":
                 rank["temporaries"] = -(-rank.get("temporaries", 0) // w)  # foreach buffers of the local shards
             else:
@@ -133,6 +146,8 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
     else:
         how = (f"per rank of {world_size} (fsdp2): parameters, gradients and optimizer state sharded; forward/backward "
                f"also hold the root group ({_mib(root)}) and two gathered blocks ({_mib(largest_block)} each)")
+    if replicated:
+        how += f"; frozen models kept whole on every rank: {_mib(replicated)}"
     return dataclasses.replace(
         estimate,
         peak_bytes=peak,

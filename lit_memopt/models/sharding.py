@@ -20,7 +20,8 @@ from torch import nn
 
 from lit_memopt._compat.lightning import attached_trainer
 
-__all__ = ["RootCall", "is_fsdp_sharded", "mixed_precision_policy", "offload_policy", "strategy_offloads", "shard_blocks_and_root",
+__all__ = ["RootCall", "is_fsdp_sharded", "mixed_precision_policy", "offload_policy", "replicated_parameter_bytes",
+           "strategy_offloads", "shard_blocks_and_root",
            "shard_for_fsdp2", "decoder_blocks"]
 
 
@@ -145,3 +146,28 @@ def shard_for_fsdp2(module: Any, *models: nn.Module, root: nn.Module | None = No
     for model in models:
         if not is_fsdp_sharded(model):
             shard_blocks_and_root(model, data_mesh, precision, root=root, cpu_offload=cpu_offload)
+
+
+def replicated_parameter_bytes(module: Any, total_blocks: int | None = None) -> int:
+    """Parameter bytes of the frozen models ``module`` keeps whole on every rank under FSDP2.
+
+    A pack module names them in its ``fsdp2_replicated`` attribute (GRADE's full reference copy and reward model,
+    Intuitor's and CRSP's reference when there is no LoRA to share the base): ``configure_model`` shards only the
+    trained model. ``total_blocks``: the real decoder depth when the module was built with fewer blocks (the
+    estimator's fake module); a replicated model with fewer blocks counts its blocks at that depth.
+    """
+    total = 0
+    for name in getattr(module, "fsdp2_replicated", ()):
+        model = getattr(module, name, None)
+        if not isinstance(model, nn.Module):
+            continue
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        try:
+            blocks = decoder_blocks(model)
+        except ValueError:  # no decoder blocks (a small reward head): counted as built
+            blocks = []
+        if total_blocks and blocks and len(blocks) < total_blocks:
+            per_block = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters()) // len(blocks)
+            nbytes += per_block * (total_blocks - len(blocks))
+        total += nbytes
+    return total

@@ -153,6 +153,9 @@ class CRSPModule(pl.LightningModule):
         pl.Trainer(max_steps=20, gradient_clip_val=None).fit(module, datamodule=CodeTaskDataModule(tokenizer))
     """
 
+    # frozen models configure_model leaves whole on every rank under FSDP2 (the estimator's per-rank arithmetic)
+    fsdp2_replicated = ("reference",)
+
     # Responses are sampled until end-of-sequence: `lit-memopt estimate` sizes the worst case (all at max_new_tokens).
     generates_until_eos = True
 

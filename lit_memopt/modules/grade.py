@@ -140,6 +140,9 @@ class GradeModule(pl.LightningModule):
         out.loss.backward()
     """
 
+    # frozen models configure_model leaves whole on every rank under FSDP2 (the estimator's per-rank arithmetic)
+    fsdp2_replicated = ("reference", "reward_model")
+
     summary_keys = ("train/reward", "train/kl", "val/reward", "val/reward_stderr", "val/kl",
                     "val/accuracy", "val/accuracy_stderr")  # the last two: data with answers and a checker
 

@@ -115,6 +115,9 @@ class IntuitorModule(pl.LightningModule):
         module = IntuitorModule(cfg, cfg.build_tokenizer(), num_samples=4, max_new_tokens=8)
     """
 
+    # frozen models configure_model leaves whole on every rank under FSDP2 (the estimator's per-rank arithmetic)
+    fsdp2_replicated = ("reference",)
+
     # Responses are sampled until end-of-sequence: `lit-memopt estimate` sizes the worst case (all at max_new_tokens).
     generates_until_eos = True
 
