@@ -63,7 +63,8 @@ def test_missing_checkpoint_is_named(tmp_path: Path) -> None:
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
-    result = run_cli(["fit", "recipe=sft", "model=qwen3_4b", "--cfg", "job"], tmp_path, timeout=120)
+    # an override after a Hydra flag too (Hydra's own parser stops at the flag; the CLI puts flags first)
+    result = run_cli(["fit", "recipe=sft", "--cfg", "job", "model=qwen3_4b"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "hidden_size: 2560" in result.stdout and "SFTModule" in result.stdout
 
