@@ -108,10 +108,10 @@ def with_fake_weights(model_config: Any) -> Any:
     Everything else the module builds (a small reward classifier GRADE trains at start, LoRA adapters)
     stays real: a step that mixes the two converts the real tensors to fake ones on use.
     """
-    from lit_memopt._compat.torch import FakeTensorMode
+    from lit_memopt._compat.torch import FastFakeTensorMode
 
     build_model = model_config.build_model
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FastFakeTensorMode(allow_non_fake_inputs=True)
 
     def fake_build_model(*args: Any, apply_lora: bool = True, **kwargs: Any) -> Any:
         lora = getattr(model_config, "lora", None)

@@ -143,6 +143,61 @@ def _recompile_limit() -> None:
         assert getattr(config, name) == 2
 
 
+def _fast_fake_key() -> None:
+    """The lean dispatch-cache key stands in for torch's: same hooks, and it tells apart what torch's key tells apart."""
+    from torch._subclasses import fake_tensor
+
+    _signature(compat_torch.FakeTensorMode._cache_key, "self", "state", "func", "args", "kwargs")
+    assert issubclass(fake_tensor._BypassDispatchCache, Exception) and hasattr(fake_tensor, "_DispatchCacheKey")
+    mode = compat_torch.FastFakeTensorMode()
+    with mode:
+        x = torch.zeros(4, 6)
+        assert x._has_symbolic_sizes_strides is False and isinstance(torch._C._get_default_device(), str)
+        outputs = [x + 1, x + 1.0, x.t() + 1, x[:, :3] * 2, x.view(24).sum(), torch.full((3,), 1), torch.full((3,), 1.0)]
+    stock = compat_torch.FakeTensorMode()
+    with stock:
+        y = torch.zeros(4, 6)
+        expected = [y + 1, y + 1.0, y.t() + 1, y[:, :3] * 2, y.view(24).sum(), torch.full((3,), 1), torch.full((3,), 1.0)]
+    for got, want in zip(outputs, expected):
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+
+
+def _fake_dispatch() -> None:
+    """A mode right above the fake one gets torch's cached outputs (views share storage, in-place ops their argument)."""
+    seen: list[Any] = []
+
+    class Above(compat_torch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(compat_torch.current_fake_mode())
+            return compat_torch.fake_dispatch(mode, func, args, kwargs or {})
+
+    mode = compat_torch.FastFakeTensorMode(allow_non_fake_inputs=True)
+    _signature(compat_torch.FakeTensorMode._output_from_cache_entry, "self", "state", "entry", "key", "func", "args")
+    assert callable(torch._C._len_torch_dispatch_stack) and hasattr(torch._C._TorchDispatchModeKey, "FAKE")
+    real = torch.ones(6, 3)  # a real input: converted as the fake mode converts it, then cached
+    with mode:
+        x = torch.zeros(4, 6)
+        for round_ in range(2):  # the second round is answered from the cache
+            hits = compat_torch.FakeTensorMode.cache_hits
+            with Above():
+                view, summed, same, product, turned = x[:, 2:], x + x, x.add_(1), x @ real, real.t()
+                flat = torch.ops.aten._unsafe_view.default(summed, [24])
+            assert round_ == 0 or compat_torch.FakeTensorMode.cache_hits >= hits + 6
+            key = compat_torch.storage_key
+            assert key(view.untyped_storage()) == key(x.untyped_storage()) and view.stride() == (6, 1)
+            assert key(summed.untyped_storage()) != key(x.untyped_storage()) and same is x
+            assert isinstance(product, compat_torch.FakeTensor) and tuple(product.shape) == (4, 3)
+            assert isinstance(turned, compat_torch.FakeTensor) and turned.stride() == (1, 3)
+            assert key(flat.untyped_storage()) == key(summed.untyped_storage()) and flat.stride() == (1,)
+        assert compat_torch.current_fake_mode() is mode  # put back after the conversion
+    assert seen and all(m is mode for m in seen)
+    from torch._subclasses import fake_tensor
+
+    assert fake_tensor.fake_tensor_tls.allow_non_fake_inputs_override is None
+    assert fake_tensor.should_allow_numbers_as_tensors(torch.ops.aten.add.Tensor)
+    assert not fake_tensor.should_allow_numbers_as_tensors(torch.ops.aten.t.default)
+
+
 def _mkldnn_queries() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         assert isinstance(compat_torch.cpu_has_native_low_precision_matmul(dtype), bool)
@@ -352,6 +407,22 @@ TRIPWIRES: dict[str, Callable[..., None]] = {
     "torch._subclasses.fake_tensor.DynamicOutputShapeException": _fake_tensors,
     "torch._subclasses.fake_tensor.is_fake": _fake_tensors,
     "torch._guards.active_fake_mode": _fake_tensors,
+    "torch._subclasses.fake_tensor.FakeTensorMode._cache_key": _fast_fake_key,
+    "torch._subclasses.fake_tensor._DispatchCacheKey": _fast_fake_key,
+    "torch._subclasses.fake_tensor._BypassDispatchCache": _fast_fake_key,
+    "torch.Tensor()._has_symbolic_sizes_strides": _fast_fake_key,
+    "torch._C._get_default_device": _fast_fake_key,
+    "torch._subclasses._fake_tensor_utils._CacheKeyState": _fake_dispatch,
+    "torch._subclasses.fake_tensor.FakeTensorMode._output_from_cache_entry": _fake_dispatch,
+    "torch._subclasses.fake_tensor._DispatchCacheBypassEntry": _fake_dispatch,
+    "torch._C._len_torch_dispatch_stack": _fake_dispatch,
+    "torch.ops.aten._unsafe_view": _fake_dispatch,
+    "torch._C._unset_dispatch_mode": _fake_dispatch,
+    "torch._subclasses.fake_tensor.should_allow_numbers_as_tensors": _fake_dispatch,
+    "torch._subclasses.fake_tensor.fake_tensor_tls": _fake_dispatch,
+    "torch._C._set_dispatch_mode": _fake_dispatch,
+    "torch._C._get_dispatch_mode": _fake_dispatch,
+    "torch._C._TorchDispatchModeKey": _fake_dispatch,
     "torch.utils._python_dispatch.TorchDispatchMode": _dispatch_modes,
     "torch.utils._python_dispatch.is_traceable_wrapper_subclass": _dispatch_modes,
     "torch.utils._python_dispatch._disable_current_modes": _dispatch_modes,

@@ -147,6 +147,20 @@ def _check_line(traces: dict[int, PeakEstimate], probes: Sequence[int], at: int)
             )
 
 
+def _import_what_a_trace_imports(module: torch.nn.Module) -> None:
+    """Import here, before forking, what a trace imports on first use, so that the forked copy inherits it.
+
+    ``configure_optimizers`` (called by every trace) reaches transformers' learning-rate schedulers, whose import pulls
+    in peft: about 250 modules, 0.6 s, which the copy would import again on the critical path of the estimate.
+    """
+    import lit_memopt.memory.allocator  # noqa: F401 - the reserved-memory model, imported by each trace
+
+    try:
+        module.configure_optimizers()
+    except Exception:  # noqa: BLE001 - the trace calls it again and reports what went wrong there
+        pass
+
+
 def estimate_with_blocks(
     module: torch.nn.Module,
     batch: Any,
@@ -186,7 +200,10 @@ def estimate_with_blocks(
     # The traces are independent: the largest goes to a forked copy of this process while the others
     # run here (two cores busy; a third process on a 2-core machine measured slower, not faster).
     largest = counts[-1]
-    child = ForkedCall(lambda: trace(largest)) if parallel and can_fork() else None
+    forking = parallel and can_fork()
+    if forking:
+        _import_what_a_trace_imports(module)
+    child = ForkedCall(lambda: trace(largest)) if forking else None
     started = time.perf_counter()
     try:
         traces = {k: trace(k) for k in counts[:-1]}

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from lit_memopt._compat.torch import FakeTensorMode
+from lit_memopt._compat.torch import FakeTensorMode, FastFakeTensorMode
 from lit_memopt.memory.tracker import StepTracker
 from lit_memopt.memory.tracker import snapshot_categories as _categories
 from lit_memopt.memory.tracker import snapshot_total as _total
@@ -26,8 +26,11 @@ def fake_mode(*, allow_non_fake_inputs: bool = False) -> Iterator[FakeTensorMode
 
     Build fake tensors on the CPU device: byte counts do not depend on the device, and on a
     CPU-only PyTorch build autograd aborts the process on fake CUDA tensors.
+
+    The mode is a :class:`~lit_memopt._compat.torch.FastFakeTensorMode`: torch's fake mode with a cheaper
+    dispatch-cache key (the same outputs).
     """
-    mode = FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
+    mode = FastFakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
     with mode:
         yield mode
 

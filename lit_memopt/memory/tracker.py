@@ -8,7 +8,6 @@ every allocation and free so that ``memory.allocator`` can replay them through a
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass, asdict
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lit_memopt._compat.mem_tracker import MemRefType, MemTrackerBase, ModState, UpdateType, wait_tensor_op
-from lit_memopt._compat.torch import active_fake_mode, tree_leaves
+from lit_memopt._compat.torch import FakeTensor, active_fake_mode, current_fake_mode, fake_dispatch, tree_leaves
 
 __all__ = ["StepTracker", "ModuleMemory", "snapshot_total", "snapshot_categories", "module_rows"]
 
@@ -92,6 +91,7 @@ class StepTracker(MemTrackerBase):
         self._grew = True
         self._last_phase: str | None = None
         self._entry_fake_mode: Any = None  # set by __enter__
+        self._fake_mode_in_slot = False
 
     def __enter__(self) -> "StepTracker":
         # The fake mode the tracker is entered in: only its ops count (DTensor's shape propagation runs
@@ -99,6 +99,9 @@ class StepTracker(MemTrackerBase):
         # torch >= 2.12's MemTracker records this itself; older ones (2.11) do not, so it is kept here.
         if self.depth == 0:
             self._entry_fake_mode = active_fake_mode()
+            # Where the dispatcher's fake-mode slot holds it (always, for torch's fake modes), reading the slot
+            # is the same question as walking the mode stack, and far cheaper per op.
+            self._fake_mode_in_slot = current_fake_mode() is self._entry_fake_mode
         super().__enter__()
         return self
 
@@ -125,10 +128,12 @@ class StepTracker(MemTrackerBase):
             stats = self.memory_tracking[module]
             stats.mod_fqn = self.known_name(module) or stats.mod_fqn
             stats.input_mem = self.track_inputs(inputs)
-            snapshot = self.get_tracker_snapshot()
+            # Two copies of the current snapshot ({device: {category: bytes}}), as get_tracker_snapshot() and a
+            # deepcopy of it gave them, at a fraction of the cost (a generation loop repeats this per module and token).
+            snapshot = {dev: dict(dev_snap) for dev, dev_snap in self.current_snapshot.items()}
             stats.local_peak = {dev: dev_snap["Total"] for dev, dev_snap in snapshot.items()}
             stats.snapshots.setdefault(ModState.PEAK_FW, []).append(snapshot)
-            stats.snapshots.setdefault(ModState.PRE_FW, []).append(copy.deepcopy(snapshot))
+            stats.snapshots.setdefault(ModState.PRE_FW, []).append({dev: dict(dev_snap) for dev, dev_snap in snapshot.items()})
         else:
             super().pre_forward(module, inputs)
             stats = self.memory_tracking[module]
@@ -137,7 +142,11 @@ class StepTracker(MemTrackerBase):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is _DEVICE_QUERY:
             # Every `.device` read of a fake tensor is dispatched (over half the ops of a generation
-            # step's trace); it allocates nothing, so it skips the bookkeeping of an op.
+            # step's trace); it allocates nothing, so it skips the bookkeeping of an op, and the answer
+            # is the fake mode's own (its device handler: the fake device, meta inside a kernel).
+            t = args[0]
+            if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
+                return t.fake_device
             return func(*args, **(kwargs or {}))
         # Fake tensors cannot draw from an explicit torch.Generator (e.g. seeded Gumbel noise);
         # random values are irrelevant to memory, so such draws use the default generator.
@@ -149,8 +158,11 @@ class StepTracker(MemTrackerBase):
         # an estimate's time. Same rules: outputs are tracked under the reference type of the region;
         # only ops of the fake mode the tracker was entered in count (DTensor's shape propagation runs
         # under a nested one).
-        res = func(*args, **(kwargs or {}))
-        if active_fake_mode() is self._entry_fake_mode:
+        kwargs = kwargs or {}
+        entry_mode = self._entry_fake_mode
+        # Most ops are answered from the fake mode's dispatch cache: read it here rather than dispatch again.
+        res = func(*args, **kwargs) if entry_mode is None else fake_dispatch(entry_mode, func, args, kwargs)
+        if (current_fake_mode() if self._fake_mode_in_slot else active_fake_mode()) is entry_mode:
             is_bw = self.in_backward
             reftype = (MemRefType.OPT if self.in_optimizer_step
                        else MemRefType.TEMP if is_bw and not self.in_activation_checkpoint else MemRefType.ACT)

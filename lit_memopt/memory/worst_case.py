@@ -21,7 +21,9 @@ from lit_memopt._compat.torch import (
     DynamicOutputShapeException,
     FakeTensor,
     TorchDispatchMode,
+    current_fake_mode,
     disable_current_modes,
+    fake_dispatch,
     local_scalar_dense_op,
     op_schema,
     storage_key,
@@ -162,24 +164,25 @@ class WorstCaseValues(TorchDispatchMode):
         return self._values.get(t)
 
     def _known_arguments(self, args: tuple, kwargs: dict) -> tuple[list[Any], Any, bool]:
+        """``(values, spec, known)``: the arguments with each tensor's values, when all are known (``known``);
+        at the first unknown one the rest is not looked at (callers use the values only when all are known)."""
         flat, spec = tree_flatten((args, kwargs))
-        known = True
         values = []
         for a in flat:
             if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):
-                known = False  # a fake tensor's storage has no memory behind it: never hand it to a real kernel
-                values.append(None)
+                return values, spec, False  # a fake tensor's storage has no memory behind it: never hand it to a real kernel
             elif isinstance(a, torch.Tensor):
                 v = self.value_of(a)
                 # Values are replayed with the fake's own sizes and strides (as_strided, views): a value whose layout
                 # has drifted from its fake tensor's (an in-place view op on an aliased value) is not used.
-                known = known and v is not None and (v is a or _same_layout(a, v))
+                if v is None or not (v is a or _same_layout(a, v)):
+                    return values, spec, False
                 values.append(v)
             elif isinstance(a, torch.device):
                 values.append(torch.device("cpu"))  # values live on the CPU whatever the fake device
             else:
                 values.append(a)
-        return values, spec, known
+        return values, spec, True
 
     def _run_on_values(self, func: Any, values: list[Any], spec: Any) -> Any:
         args, kwargs = tree_unflatten(values, spec)
@@ -220,7 +223,9 @@ class WorstCaseValues(TorchDispatchMode):
             with disable_current_modes():
                 return value.item()
         try:
-            out = func(*args, **kwargs)
+            # Right above the fake mode: an op its dispatch cache answers is read from it, not dispatched again.
+            mode = current_fake_mode()
+            out = func(*args, **kwargs) if mode is None else fake_dispatch(mode, func, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             return self._value_dependent_shape(func, args, kwargs)
         if func in _SAMPLERS:
@@ -236,12 +241,15 @@ class WorstCaseValues(TorchDispatchMode):
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outputs and not written:
             return
+        # Followed only where every input's values are known; the cheap reasons not to follow are asked first:
+        # a real tensor written by the op (a LoRA weight in an optimizer step) is the user's: never replayed on;
+        # unchecked indexing kernels trust their indices: a replay on values must never write out of bounds.
+        if (any(t.numel() > VALUE_NUMEL_LIMIT for t in (*outputs, *written)) or torch.Tag.nondeterministic_seeded in func.tags
+                or func.__name__.startswith("_unsafe") or not all(isinstance(t, FakeTensor) for t in written)):
+            self._lose(written)
+            return
         values, spec, known = self._known_arguments(args, kwargs)
-        # A real tensor written by the op (a LoRA weight in an optimizer step) is the user's: never replayed on.
-        known = known and all(isinstance(t, FakeTensor) for t in written)
-        # Unchecked indexing kernels trust their indices: a replay on values must never write out of bounds.
-        known = known and not func.__name__.startswith("_unsafe")
-        if not known or any(t.numel() > VALUE_NUMEL_LIMIT for t in (*outputs, *written)) or torch.Tag.nondeterministic_seeded in func.tags:
+        if not known:
             self._lose(written)
             return
         try:
