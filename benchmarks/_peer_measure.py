@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from lit_memopt.memory import memory_budget
@@ -51,6 +52,54 @@ def exactness(methods: list[Method], x: Inputs) -> dict[str, dict[str, Any]]:
         "grad_weight_max": None if ref_gw is None else float(ref_gw.abs().max()),
     }
     return out
+
+
+class _ProductFlops(TorchDispatchMode):
+    """FLOPs of the matrix products (ATen's mm, addmm, bmm, baddbmm, in place or ``out=`` too) that run while it is
+    active, and the name of any op outside ATen (a custom op whose products it cannot see). A dispatch mode sees the
+    products inside an autograd Function's backward as well as the forward's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.opaque: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        name = func.overloadpacket.__name__
+        if name == "mm":
+            a, b = args[0], args[1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        elif name in ("addmm", "addmm_"):
+            a, b = args[1], args[2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        elif name == "bmm":
+            a, b = args[0], args[1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+        elif name in ("baddbmm", "baddbmm_"):
+            a, b = args[1], args[2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+        elif func.namespace not in ("aten", "prims"):
+            self.opaque.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def count_products(method: Method, x: Inputs) -> dict[str, Any]:
+    """Head-sized matrix products of one forward+backward of ``method`` on ``x``: FLOPs of every matrix product
+    over those of one ``[N, H] x [H, V]`` product (``{"counted": 3.0}``), or why they could not be counted
+    (``{"count_error": ...}``: a custom op hides its products; torch.compile does not compile under a dispatch mode)."""
+    n, h = x["hidden"].shape
+    unit = 2 * n * h * x["weight"].shape[0]
+    _clear_grads(x)
+    try:
+        with _ProductFlops() as counter:
+            objective(method.fn(x), x).backward()
+    except Exception as exc:  # noqa: BLE001 - a compiled peer cannot run under the mode: its count is read instead
+        return {"count_error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+    finally:
+        _clear_grads(x)
+    if counter.opaque:
+        return {"count_error": "custom ops hide their products: " + ", ".join(sorted(counter.opaque))}
+    return {"counted": round(counter.flops / unit, 3)}
 
 
 def _timed_step(method: Method, x: Inputs) -> float:

@@ -22,6 +22,10 @@ FAKE_MEMORY_SHAPE = {"tokens": 8192, "hidden": 2560, "vocab": 151936}  # Qwen3-4
 FAKE_MEMORY_SHAPE_QUICK = {"tokens": 1024, "hidden": 2560, "vocab": 151936}
 SEQUENCE_LENGTH = 256  # GRPO: tokens are [tokens // 256, 256] sequences
 SEQUENCE_LENGTH_QUICK = 64
+# Where each method's head products are counted (by FLOPs, see benchmarks/_peer_measure.py): small, so the count
+# costs well under a second a method; the count is in units of one [N, H] x [H, V] product, whatever the shape.
+COUNT_SHAPE = {"tokens": 256, "hidden": 64, "vocab": 4000}
+COUNT_SEQUENCE_LENGTH = 64
 REPS, REPS_QUICK = 5, 2
 # GRPO settings shared by every implementation (Liger's defaults, with our k3 KL weight).
 GRPO = {"clip_eps": 0.2, "kl_coef": 0.04, "loss_type": "dapo"}
@@ -33,6 +37,11 @@ NAIVE = "naive (full logits)"
 LIT_EXACT = 'lit-memopt "exact"'
 LIT_FAST = 'lit-memopt "fast"'
 LIT_FUSED_GRPO = 'lit-memopt linear_policy_loss "exact"'
+LIT_FUSED_GRPO_FAST = 'lit-memopt linear_policy_loss "fast"'
+# Every lit-memopt path (the targets judge each against its own floor).
+LIT_METHODS = (LIT_EXACT, LIT_FAST, LIT_FUSED_GRPO, LIT_FUSED_GRPO_FAST)
+# The "exact" paths multiply fp32 tiles whatever the inputs' dtype (only the inputs' rounding remains).
+LIT_FP32_PRODUCTS = (LIT_EXACT, LIT_FUSED_GRPO)
 
 Inputs = dict[str, torch.Tensor]
 
@@ -194,11 +203,22 @@ class Method:
     # A timing reference, not an implementation (see :func:`product_floors`): timed beside the methods, never
     # checked for exactness.
     floor: bool = False
+    # Head-sized matrix products ([N, H] x [H, V] each) in one forward+backward: the path's own floor
+    # (:func:`own_floor`). The benchmark also counts them by FLOPs where a dispatch mode sees them; ``products_from``
+    # says where the number comes from when it cannot (a compiled graph, a custom op).
+    products: Optional[int] = None
+    products_from: str = ""
+    # The head is frozen (no weight gradient): its floors multiply without one.
+    frozen: bool = False
 
 
 FLOOR_HOLDING = "floor: 3 head products (logits held)"
 FLOOR_RECOMPUTING = "floor: 4 head products (logits recomputed)"
 FLOOR_FROZEN = "floor: 2 head products (frozen head)"
+FLOOR_FROZEN_RECOMPUTING = "floor: 3 head products (frozen head, logits recomputed)"
+# (products, frozen head) -> the floor row that times exactly those products.
+FLOOR_BY_PRODUCTS = {(3, False): FLOOR_HOLDING, (4, False): FLOOR_RECOMPUTING, (2, True): FLOOR_FROZEN,
+                     (3, True): FLOOR_FROZEN_RECOMPUTING}
 
 
 class _HeadProducts(torch.autograd.Function):
@@ -225,62 +245,94 @@ class _HeadProducts(torch.autograd.Function):
         return logits @ weight, logits.t() @ hidden if ctx.needs_input_grad[1] else None, None
 
 
+def _floor(name: str, products: int, frozen: bool, recompute: bool) -> Method:
+    return Method(name, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"].detach() if frozen else x["weight"], recompute),),
+                  floor=True, products=products, frozen=frozen)
+
+
 def product_floors(op: str = "logprobs") -> list[Method]:
-    """Timing references: the head products alone of each path, beside its time. Per-token log-probs: a path that
-    holds the logits (three, as the naive path and Cut Cross-Entropy's CPU implementation) and one that recomputes
-    them (four, lit-memopt's tiled pass). Scalar losses (cross-entropy, GRPO): three, lit-memopt's gradients made in
-    the forward. A frozen head: two (the logits and the hidden gradient). What no softmax code can win back."""
-    holding = Method(FLOOR_HOLDING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], False),), floor=True)
-    if op == "logprobs":
-        return [holding, Method(FLOOR_RECOMPUTING, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"], True),), floor=True)]
+    """Timing references: the head products alone of each path, beside its time (each method's own floor is the
+    one with its product count, :func:`own_floor`). A trainable head: three products where the logits are held
+    (the naive path, Cut Cross-Entropy's CPU implementation) or where a scalar loss makes its gradients in the
+    forward (lit-memopt's cross-entropy and linear_policy_loss, torch's chunked scalar loss); four where per-token
+    outputs recompute them (lit-memopt's tiled pass, TRL's and Liger's chunked log-probs). A frozen head: two
+    (the logits and the hidden gradient: the naive path, lit-memopt's frozen pass), three recomputed (torch's
+    chunked per-token loss). What no softmax code can win back."""
     if op == "frozen_logprobs":
-        return [Method(FLOOR_FROZEN, lambda x: (_HeadProducts.apply(x["hidden"], x["weight"].detach(), False),), floor=True)]
-    return [holding] if op in ("cross_entropy", "grpo") else []
+        return [_floor(FLOOR_FROZEN, 2, True, False), _floor(FLOOR_FROZEN_RECOMPUTING, 3, True, True)]
+    holding = _floor(FLOOR_HOLDING, 3, False, False)
+    if op == "cross_entropy":  # every method makes three
+        return [holding]
+    return [holding, _floor(FLOOR_RECOMPUTING, 4, False, True)]
+
+
+def own_floor(method: Method) -> Optional[str]:
+    """The floor row that times ``method``'s own head products (None where its count is unknown)."""
+    return None if method.products is None else FLOOR_BY_PRODUCTS.get((method.products, method.frozen))
 
 
 def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer], device: str = "cpu") -> tuple[list[Method], list[dict[str, str]]]:
     """The methods that compute ``op`` on ``device``, and the peers that could not (name, reason).
 
     Cut Cross-Entropy runs its Triton kernel (``impl="cce"``, its default) on CUDA and its
-    ``torch_compile`` implementation elsewhere (its kernel needs a GPU)."""
+    ``torch_compile`` implementation elsewhere (its kernel needs a GPU).
+
+    Each method carries its head-product count (:attr:`Method.products`, its own floor). Where the benchmark's
+    FLOP count cannot see the products (a compiled graph, a custom op), ``products_from`` says how the number was
+    read from the peer's code."""
     cce_impl = "cce" if device == "cuda" else "torch_compile"
+    # torch_compile: one compiled graph over full logits (three products, two frozen); cce: a forward that keeps
+    # only the log-sum-exp and a backward that multiplies the logits again (four, three frozen).
+    cce_products, cce_from = ((3, "read: a compiled full-logits graph") if cce_impl == "torch_compile"
+                              else (4, "read: backward recomputes the logits"))
     lit = [(LIT_EXACT, "exact")] + ([(LIT_FAST, "fast")] if dtype in (torch.bfloat16, torch.float16) else [])
+    fused_grpo = [(LIT_FUSED_GRPO, "exact")] + ([(LIT_FUSED_GRPO_FAST, "fast")] if dtype in (torch.bfloat16, torch.float16) else [])
+    frozen_op = op == "frozen_logprobs"
     methods: list[Method] = []
     absent: list[dict[str, str]] = []
 
-    def peer_method(peer_name: str, label: str, make: Callable[[dict[str, Any]], Callable[[Inputs], Any]],
-                    grads_in_forward: bool = False) -> None:
+    def add(name: str, fn: Callable[[Inputs], Any], products: int, *, peer: Optional[str] = None,
+            grads_in_forward: bool = False, products_from: str = "") -> None:
+        methods.append(Method(name, fn, peer, grads_in_forward, products=products, products_from=products_from, frozen=frozen_op))
+
+    def peer_method(peer_name: str, label: str, make: Callable[[dict[str, Any]], Callable[[Inputs], Any]], products: int,
+                    grads_in_forward: bool = False, products_from: str = "") -> None:
         peer = peers.get(peer_name)
         if peer is None:
             return
         if peer.available:
-            methods.append(Method(label, make(peer.api), peer_name, grads_in_forward))
+            add(label, make(peer.api), products, peer=peer_name, grads_in_forward=grads_in_forward, products_from=products_from)
         else:
             absent.append({"peer": peer_name, "method": label, "error": peer.error or ""})
 
+    # torch's chunked loss: reduction="none" keeps no gradient in the forward, and its backward recomputes each
+    # chunk's logits; a scalar reduction makes the gradients in the forward (torch/nn/modules/linear_cross_entropy.py).
+    torch_none_from = "read: its per-token backward recomputes each chunk's logits (a custom op hides them)"
+    # Liger's fused linear CE makes its gradients in the forward over row chunks (Triton: GPU only).
+    liger_from = "read: gradients made in the forward over row chunks"
     if op == "logprobs":
-        methods.append(Method(NAIVE, lambda x: (_naive_logprobs(x),)))
+        add(NAIVE, lambda x: (_naive_logprobs(x),), 3)
         for label, precision in lit:
-            methods.append(Method(label, lambda x, p=precision: (linear_logprobs(x["hidden"], x["weight"], x["targets"], precision=p),)))
+            add(label, lambda x, p=precision: (linear_logprobs(x["hidden"], x["weight"], x["targets"], precision=p),), 4)
         peer_method("torch chunked", "torch F.linear_cross_entropy (chunked)", lambda api: (
             lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): (
-                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", options=opts),)))
+                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", options=opts),)), 4, products_from=torch_none_from)
         peer_method("Cut Cross-Entropy", f"Cut Cross-Entropy ({cce_impl})", lambda api: (
             lambda x, lce=api["linear_cross_entropy"]: (
-                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", impl=cce_impl),)))
+                -lce(x["hidden"], x["weight"], x["targets"], reduction="none", impl=cce_impl),)), cce_products, products_from=cce_from)
         # Positional (autograd Functions take no keywords): bias, ce_weight, ignore_index, lse_square_scale,
         # label_smoothing, reduction; the first output is the per-token loss.
         peer_method("Liger fused linear CE", "Liger fused linear CE", lambda api: (
-            lambda x, fn=api["function"]: (-fn.apply(x["hidden"], x["weight"], x["targets"], None, None, -100, 0.0, 0.0, "none")[0],)))
+            lambda x, fn=api["function"]: (-fn.apply(x["hidden"], x["weight"], x["targets"], None, None, -100, 0.0, 0.0, "none")[0],)),
+            3, products_from=liger_from)
         peer_method("TRL full logits", "TRL selective_log_softmax", lambda api: (
-            lambda x, sls=api["selective_log_softmax"]: (sls(x["hidden"] @ x["weight"].t(), x["targets"]),)))
+            lambda x, sls=api["selective_log_softmax"]: (sls(x["hidden"] @ x["weight"].t(), x["targets"]),)), 3)
         peer_method("TRL chunked", "TRL ChunkedLogProbFunction", lambda api: (
-            lambda x, fn=api["function"]: (fn.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, 32768, None, 1.0, ())[0],)))
+            lambda x, fn=api["function"]: (fn.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, 32768, None, 1.0, ())[0],)), 4)
     elif op == "logprobs_entropy":
-        methods.append(Method(NAIVE, _naive_logprobs_entropy))
+        add(NAIVE, _naive_logprobs_entropy, 3)
         for label, precision in lit:
-            methods.append(Method(label, lambda x, p=precision: linear_logprobs_and_entropy(
-                x["hidden"], x["weight"], x["targets"], precision=p)))
+            add(label, lambda x, p=precision: linear_logprobs_and_entropy(x["hidden"], x["weight"], x["targets"], precision=p), 4)
 
         def trl_full(api: dict[str, Any]) -> Callable[[Inputs], Any]:
             def fn(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,14 +340,13 @@ def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer], device: str
                 return api["selective_log_softmax"](logits, x["targets"]), api["entropy_from_logits"](logits)
             return fn
 
-        peer_method("TRL full logits", "TRL selective_log_softmax + entropy_from_logits", trl_full)
+        peer_method("TRL full logits", "TRL selective_log_softmax + entropy_from_logits", trl_full, 3)
         peer_method("TRL chunked", "TRL ChunkedLogProbFunction", lambda api: (
-            lambda x, fn=api["function"]: fn.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, 32768, None, 1.0, ("entropy",))[:2]))
+            lambda x, fn=api["function"]: fn.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, 32768, None, 1.0, ("entropy",))[:2]), 4)
     elif op == "grpo":
-        methods.append(Method(NAIVE, lambda x: _grpo_from_logprobs(_naive_logprobs(x), x)))
-        for label, precision in lit:
-            methods.append(Method(label, lambda x, p=precision: _grpo_from_logprobs(
-                linear_logprobs(x["hidden"], x["weight"], x["targets"], precision=p), x)))
+        add(NAIVE, lambda x: _grpo_from_logprobs(_naive_logprobs(x), x), 3)
+        for label, precision in lit:  # per-token log-probs, then the loss: the tiled pass's four products
+            add(label, lambda x, p=precision: _grpo_from_logprobs(linear_logprobs(x["hidden"], x["weight"], x["targets"], precision=p), x), 4)
 
         def liger_grpo(api: dict[str, Any]) -> Callable[[Inputs], Any]:
             loss_module = api["grpo_loss"](beta=GRPO["kl_coef"], epsilon_low=GRPO["clip_eps"], epsilon_high=GRPO["clip_eps"],
@@ -310,35 +361,47 @@ def methods_for(op: str, dtype: torch.dtype, peers: dict[str, Peer], device: str
                 return out[0] if isinstance(out, tuple) else out
             return fn
 
-        peer_method("Liger chunked_loss", "Liger LigerFusedLinearGRPOLoss", liger_grpo, grads_in_forward=True)
-        methods.append(Method(LIT_FUSED_GRPO, lambda x: linear_policy_loss(
-            x["hidden"].view(*x["old_logp"].shape, -1), x["weight"], x["targets"].view(x["old_logp"].shape), x["old_logp"],
-            x["advantages"], ref_logp=x["ref_logp"], precision="exact", **GRPO), grads_in_forward=True))
-    elif op == "cross_entropy":
-        methods.append(Method(NAIVE, lambda x: F.cross_entropy(_naive_logits(x), x["targets"])))
+        peer_method("Liger chunked_loss", "Liger LigerFusedLinearGRPOLoss", liger_grpo, 4, grads_in_forward=True)
+        # TRL's GRPO trainer takes per-token log-probs from the head (full logits and selective_log_softmax, or its
+        # chunked kernel behind `fused_lm_head`) and applies its loss inside the trainer; the same loss
+        # (ppo_clip_loss, the settings above) is applied here on top of each.
+        peer_method("TRL full logits", "TRL selective_log_softmax + GRPO loss", lambda api: (
+            lambda x, sls=api["selective_log_softmax"]: _grpo_from_logprobs(sls(x["hidden"] @ x["weight"].t(), x["targets"]), x)), 3)
+        peer_method("TRL chunked", "TRL ChunkedLogProbFunction + GRPO loss", lambda api: (
+            lambda x, fn=api["function"]: _grpo_from_logprobs(
+                fn.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, 32768, None, 1.0, ())[0], x)), 4)
+        for label, precision in fused_grpo:  # gradients made in the forward: three products
+            add(label, lambda x, p=precision: linear_policy_loss(
+                x["hidden"].view(*x["old_logp"].shape, -1), x["weight"], x["targets"].view(x["old_logp"].shape), x["old_logp"],
+                x["advantages"], ref_logp=x["ref_logp"], precision=p, **GRPO), 3, grads_in_forward=True)
+    elif op == "cross_entropy":  # the SFT loss: mean over tokens, a trainable head
+        add(NAIVE, lambda x: F.cross_entropy(_naive_logits(x), x["targets"]), 3)
         for label, precision in lit:
-            methods.append(Method(label, lambda x, p=precision: linear_cross_entropy(x["hidden"], x["weight"], x["targets"], precision=p),
-                                  grads_in_forward=True))
+            add(label, lambda x, p=precision: linear_cross_entropy(x["hidden"], x["weight"], x["targets"], reduction="mean", precision=p),
+                3, grads_in_forward=True)
         peer_method("torch chunked", "torch F.linear_cross_entropy (chunked)", lambda api: (
-            lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): lce(x["hidden"], x["weight"], x["targets"], options=opts)))
+            lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): lce(x["hidden"], x["weight"], x["targets"], reduction="mean", options=opts)),
+            3, products_from="read: the scalar loss makes its gradients in the forward (a custom op hides them)")
         peer_method("Cut Cross-Entropy", f"Cut Cross-Entropy ({cce_impl})", lambda api: (
-            lambda x, lce=api["linear_cross_entropy"]: lce(x["hidden"], x["weight"], x["targets"], impl=cce_impl)))
+            lambda x, lce=api["linear_cross_entropy"]: lce(x["hidden"], x["weight"], x["targets"], reduction="mean", impl=cce_impl)),
+            cce_products, products_from=cce_from)
         peer_method("Liger fused linear CE", "Liger fused linear CE", lambda api: (
             lambda x, fn=api["function"]: fn.apply(x["hidden"], x["weight"], x["targets"], None, None, -100, 0.0, 0.0, "mean")[0]),
-            grads_in_forward=True)
-    elif op == "frozen_logprobs":
-        frozen = lambda x: {**x, "weight": x["weight"].detach()}  # noqa: E731 - a LoRA run's head: no weight gradient
-        methods.append(Method(NAIVE, lambda x: (_naive_logprobs(frozen(x)),)))
+            3, grads_in_forward=True, products_from=liger_from)
+    elif op == "frozen_logprobs":  # a LoRA run's head: weight.requires_grad is False, gradients reach hidden only
+        frozen = lambda x: {**x, "weight": x["weight"].detach()}  # noqa: E731
+        add(NAIVE, lambda x: (_naive_logprobs(frozen(x)),), 2)
         for label, precision in lit:
-            methods.append(Method(label, lambda x, p=precision: (linear_logprobs(x["hidden"], x["weight"].detach(), x["targets"], precision=p),)))
+            add(label, lambda x, p=precision: (linear_logprobs(x["hidden"], x["weight"].detach(), x["targets"], precision=p),), 2)
         peer_method("torch chunked", "torch F.linear_cross_entropy (chunked)", lambda api: (
             lambda x, lce=api["linear_cross_entropy"], opts=api["options"](): (
-                -lce(x["hidden"], x["weight"].detach(), x["targets"], reduction="none", options=opts),)))
-        peer_method("Cut Cross-Entropy", f"Cut Cross-Entropy ({cce_impl})", lambda api: (
+                -lce(x["hidden"], x["weight"].detach(), x["targets"], reduction="none", options=opts),)), 3, products_from=torch_none_from)
+        # Cut Cross-Entropy with a frozen classifier: no gradient to it, one fewer product than with a trained one.
+        peer_method("Cut Cross-Entropy", f"Cut Cross-Entropy ({cce_impl}, frozen classifier)", lambda api: (
             lambda x, lce=api["linear_cross_entropy"]: (
-                -lce(x["hidden"], x["weight"].detach(), x["targets"], reduction="none", impl=cce_impl),)))
+                -lce(x["hidden"], x["weight"].detach(), x["targets"], reduction="none", impl=cce_impl),)), cce_products - 1, products_from=cce_from)
         peer_method("TRL full logits", "TRL selective_log_softmax", lambda api: (
-            lambda x, sls=api["selective_log_softmax"]: (sls(x["hidden"] @ x["weight"].detach().t(), x["targets"]),)))
+            lambda x, sls=api["selective_log_softmax"]: (sls(x["hidden"] @ x["weight"].detach().t(), x["targets"]),)), 2)
     else:
         raise ValueError(f"`op` must be one of {OPS}, got {op!r}")
     return methods, absent

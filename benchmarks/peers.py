@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # `python benchmarks/peers.py` from a checkout
 
 # The names below are this module's interface (tests and `python -m benchmarks` read them here).
 from benchmarks._peer_measure import (  # noqa: E402,F401
+    count_products,
     exactness,
     fake_memory,
     interleaved_times,
@@ -32,13 +33,22 @@ from benchmarks._peer_measure import (  # noqa: E402,F401
     real_memory,
 )
 from benchmarks._peer_methods import (  # noqa: E402,F401
+    COUNT_SEQUENCE_LENGTH,
+    COUNT_SHAPE,
     FAKE_MEMORY_SHAPE,
     FAKE_MEMORY_SHAPE_QUICK,
+    FLOOR_BY_PRODUCTS,
+    FLOOR_FROZEN,
+    FLOOR_FROZEN_RECOMPUTING,
     FLOOR_HOLDING,
     FLOOR_RECOMPUTING,
     GRPO,
     LIT_EXACT,
     LIT_FAST,
+    LIT_FP32_PRODUCTS,
+    LIT_FUSED_GRPO,
+    LIT_FUSED_GRPO_FAST,
+    LIT_METHODS,
     NAIVE,
     OPS,
     PEER_LOADERS,
@@ -59,13 +69,17 @@ from benchmarks._peer_methods import (  # noqa: E402,F401
     make_inputs,
     methods_for,
     objective,
+    own_floor,
     product_floors,
 )
 from benchmarks._peer_report import (  # noqa: E402,F401
     BF16_FAST_VS_CCE_TIME,
     FP32_VS_FASTEST_PEER_TIME,
+    FROZEN_VS_CCE_TIME,
     MEMORY_VS_BEST_PEER,
     MEMORY_VS_NAIVE,
+    SFT_VS_CCE_TIME,
+    VS_OWN_FLOOR_TIME,
     _load_avg,
     judge,
     machine,
@@ -85,9 +99,12 @@ def load_peers(names: Optional[list[str]] = None) -> dict[str, Peer]:
 
 
 def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers: dict[str, Peer], *,
-            sequence_length: int = SEQUENCE_LENGTH, only: Optional[list[str]] = None) -> dict[str, Any]:
-    """Exactness and interleaved one-thread time of every method of ``op`` at ``shape``; log-probs are also
-    timed against the bare head products of a step (:func:`product_floors`)."""
+            sequence_length: int = SEQUENCE_LENGTH, only: Optional[list[str]] = None, count: bool = True) -> dict[str, Any]:
+    """Exactness and interleaved one-thread time of every method of ``op`` at ``shape``, each beside the bare head
+    products of its own path (:func:`product_floors`, :func:`own_floor`), timed in the same repetitions.
+
+    ``count``: also count each method's head products by FLOPs (:func:`count_products`) at :data:`COUNT_SHAPE`,
+    after the timing, as a check of the product count its floor assumes."""
     methods, absent = methods_for(op, dtype, peers)
     methods += product_floors(op)  # each path's bare head products, timed beside it
     if only is not None:
@@ -103,12 +120,28 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
                 absent.append({"peer": m.peer or m.name, "method": m.name, "error": errors[m.name]["error"]})
         runnable = [m for m in methods if m.name not in failed]
         times = interleaved_times(runnable, x, reps) if reps > 0 else {}
+    counts: dict[str, dict[str, Any]] = {}
+    if count:
+        small = make_inputs(COUNT_SHAPE, dtype, sequence_length=COUNT_SEQUENCE_LENGTH)
+        add_grpo_logps(small, COUNT_SEQUENCE_LENGTH)
+        with one_thread(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # Not the methods whose count is read from their code: a compiled graph does not compile under the
+            # counting mode, and a failed compile there leaves torch.compile refusing that function for the run.
+            counts = {m.name: count_products(m, small) for m in runnable if not m.floor and not m.products_from}
     rows = []
     for m in runnable:
         r: dict[str, Any] = {"method": m.name, "peer": m.peer, **({"floor": True} if m.floor else errors[m.name])}
+        r["products"] = m.products
+        if not m.floor:
+            r["products_from"] = m.products_from
+            r.update(counts.get(m.name, {}))
+            r["own_floor"] = own_floor(m)
         if times:
             r["median_s"] = statistics.median(times[m.name])
             r["ratio_vs_naive"] = paired_ratio(times, m.name, NAIVE)
+            if r.get("own_floor") in times:
+                r["ratio_vs_own_floor"] = paired_ratio(times, m.name, r["own_floor"])
         rows.append(r)
     return {"op": op, "dtype": str(dtype).replace("torch.", ""), "shape": shape, "reps": reps, "rows": rows,
             "absent": absent, "times": times, "reference_scale": errors["_reference_scale"]}

@@ -34,15 +34,99 @@ def test_a_peer_that_cannot_import_is_absent_with_its_error(only_a_missing_peer:
     assert c["absent"] == [{"peer": "TRL chunked", "method": "TRL ChunkedLogProbFunction", "error": peer.error}]
 
 
-@pytest.mark.parametrize("op", ["logprobs", "logprobs_entropy", "grpo"])
+@pytest.mark.parametrize("op", peers.OPS)
 def test_lit_memopt_exact_matches_float64(op: str, only_a_missing_peer: dict[str, peers.Peer]) -> None:
-    c = peers.compare(op, torch.float32, TINY, 0, only_a_missing_peer, sequence_length=16)
+    c = peers.compare(op, torch.float32, TINY, 0, only_a_missing_peer, sequence_length=16, count=False)
     rows = {r["method"]: r for r in c["rows"]}
     scale = c["reference_scale"]
-    lit = rows[peers.LIT_EXACT]
-    assert lit["value_err"] <= 1e-5 * max(1.0, scale["value_max"])
-    assert lit["grad_hidden_err"] <= 1e-5 * scale["grad_hidden_max"]
-    assert lit["grad_weight_err"] <= 1e-5 * scale["grad_weight_max"]
+    for name in (peers.LIT_EXACT,) + ((peers.LIT_FUSED_GRPO,) if op == "grpo" else ()):
+        lit = rows[name]
+        assert lit["value_err"] <= 1e-5 * max(1.0, scale["value_max"])
+        assert lit["grad_hidden_err"] <= 1e-5 * scale["grad_hidden_max"]
+        if op == "frozen_logprobs":  # a frozen head: no weight gradient, in the reference or in any method
+            assert lit["grad_weight_err"] is None and scale["grad_weight_max"] is None
+        else:
+            assert lit["grad_weight_err"] <= 1e-5 * scale["grad_weight_max"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", peers.OPS)
+def test_each_path_makes_the_head_products_its_floor_assumes(op: str, dtype: torch.dtype) -> None:
+    """The product count each row's floor is chosen by is what the path multiplies: counted by FLOPs for the naive
+    path and every lit-memopt path (two for a frozen head, three for a scalar loss, four for trainable per-token
+    outputs), and a floor row of that many products exists in the case."""
+    methods, _ = peers.methods_for(op, dtype, {})
+    x = peers.make_inputs(peers.COUNT_SHAPE, dtype, sequence_length=peers.COUNT_SEQUENCE_LENGTH)
+    peers.add_grpo_logps(x, peers.COUNT_SEQUENCE_LENGTH)
+    floors = {m.name for m in peers.product_floors(op)}
+    expected = {"frozen_logprobs": 2, "cross_entropy": 3}.get(op, 4)
+    for m in methods:
+        assert not m.products_from  # none of these is read from code: each is counted
+        assert peers.count_products(m, x) == {"counted": float(m.products)}, m.name
+        assert peers.own_floor(m) in floors
+        if m.name in peers.LIT_METHODS:
+            assert m.products == (3 if m.name in (peers.LIT_FUSED_GRPO, peers.LIT_FUSED_GRPO_FAST) else expected)
+
+
+def test_the_floors_make_the_products_they_name() -> None:
+    x = peers.make_inputs(peers.COUNT_SHAPE, torch.float32)
+    for op in peers.OPS:
+        for floor in peers.product_floors(op):
+            assert peers.FLOOR_BY_PRODUCTS[(floor.products, floor.frozen)] == floor.name
+            assert peers.count_products(floor, x) == {"counted": float(floor.products)}, floor.name
+            peers.objective(floor.fn(x), x).backward()
+            assert (x["weight"].grad is None) == floor.frozen
+            x["hidden"].grad = x["weight"].grad = None
+
+
+def test_a_custom_op_is_reported_as_uncounted() -> None:
+    x = peers.make_inputs(TINY, torch.float32)
+    chunked = peers.load_peers(["torch chunked"])["torch chunked"]
+    if not chunked.available:
+        pytest.skip(chunked.error)
+    lce, options = chunked.api["linear_cross_entropy"], chunked.api["options"]()
+    method = peers.Method("torch chunked", lambda x: lce(x["hidden"], x["weight"], x["targets"], options=options))
+    assert "custom ops hide their products" in peers.count_products(method, x)["count_error"]
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "frozen_logprobs", "grpo"])
+def test_each_row_is_timed_beside_its_own_floor(op: str, only_a_missing_peer: dict[str, peers.Peer]) -> None:
+    c = peers.compare(op, torch.bfloat16, TINY, 2, only_a_missing_peer, sequence_length=16)
+    rows = {r["method"]: r for r in c["rows"]}
+    floor = {"cross_entropy": peers.FLOOR_HOLDING, "frozen_logprobs": peers.FLOOR_FROZEN, "grpo": peers.FLOOR_HOLDING}[op]
+    name = peers.LIT_FUSED_GRPO_FAST if op == "grpo" else peers.LIT_FAST
+    assert rows[name]["own_floor"] == floor and rows[name]["ratio_vs_own_floor"] > 0
+    assert rows[name]["counted"] == rows[name]["products"] and rows[floor]["floor"]
+    markdown = peers.to_markdown({"quick": True, "command": "test", "torch": torch.__version__, "machine": peers.machine(),
+                                  "triton": None, "peers": [], "targets": peers.judge({"time": [c], "memory_fake": []}),
+                                  "time": [c], "memory_real": [], "memory_fake": []})
+    assert f"| {name} | " in markdown and " ✓ | " in markdown
+
+
+def test_the_sft_and_frozen_targets_compare_with_cut_cross_entropy_and_each_path_with_its_floor() -> None:
+    row = {"value_err": 1e-3, "grad_hidden_err": 1e-3, "grad_weight_err": 1e-3, "median_s": 1.0, "ratio_vs_naive": 1.0}
+
+    def case(op: str, dtype: str, ours: list[float], cce: list[float], floor: list[float]) -> dict:
+        name = peers.LIT_EXACT if dtype == "float32" else peers.LIT_FAST
+        own = peers.FLOOR_FROZEN if op == "frozen_logprobs" else peers.FLOOR_HOLDING
+        times = {name: ours, "cce": cce, own: floor, peers.LIT_EXACT: ours}
+        ratio = peers.paired_ratio(times, name, own)
+        return {"op": op, "dtype": dtype, "shape": peers.TIME_SHAPE, "times": times,
+                "rows": [{"method": name, **row, "own_floor": own, "products": 3, "ratio_vs_own_floor": ratio},
+                         {"method": "cce", "peer": "Cut Cross-Entropy", **row}, {"method": own, "floor": True}]}
+
+    result = {"time": [case("cross_entropy", "float32", [0.9, 1.0], [1.0, 1.0], [0.85, 0.9]),
+                       case("cross_entropy", "bfloat16", [1.1, 1.2], [1.0, 1.0], [0.9, 0.9]),
+                       case("frozen_logprobs", "float32", [1.0, 1.0], [1.0, 1.0], [0.5, 0.5])],
+              "memory_fake": []}
+    by_target = {v["target"]: v for v in peers.judge(result)}
+    assert by_target['float32 SFT loss (cross-entropy, mean, trainable head): lit-memopt "exact" <= 1.0x Cut Cross-Entropy\'s time']["met"] is True
+    assert by_target['bfloat16 SFT loss (cross-entropy, mean, trainable head): lit-memopt "fast" <= 1.0x Cut Cross-Entropy\'s time']["met"] is False
+    frozen = 'float32 frozen-head log-probs: lit-memopt "exact" <= 1.0x Cut Cross-Entropy\'s time (frozen classifier)'
+    assert by_target[frozen]["met"] is True  # equal time meets "at most"
+    assert by_target['float32 cross_entropy lit-memopt "exact": <= 1.15x its own product floor']["met"] is True  # 1.09x
+    assert by_target['bfloat16 cross_entropy lit-memopt "fast": <= 1.15x its own product floor']["met"] is False
+    assert by_target['float32 frozen_logprobs lit-memopt "exact": <= 1.15x its own product floor']["met"] is False
 
 
 def test_bf16_exact_is_more_accurate_than_full_bf16_logits(only_a_missing_peer: dict[str, peers.Peer]) -> None:
