@@ -30,6 +30,7 @@ from lit_memopt.memory.step import (
     measure_on_cuda,
 )
 from lit_memopt.memory.sharding import COMMUNICATION_ROW, per_rank_estimate
+from lit_memopt.models.sharding import replicated_parameter_bytes
 from lit_memopt.memory.worst_case import filler_token_id
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
@@ -73,6 +74,7 @@ class EstimateReport:
     cpu_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     per_rank: tuple[str, int] | None = None
+    cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -203,6 +205,21 @@ def data_parallel_plan(cfg: Any) -> tuple[str, int] | None:
     return name, int(devices) * int(nodes)
 
 
+def strategy_cpu_offload(cfg: Any, per_rank: tuple[str, int] | None) -> bool:
+    """Whether the run offloads FSDP2's model state to the host (``trainer.strategy.cpu_offload``).
+
+    Raises:
+        ValueError: a value that is not a bool, or ``true`` with a strategy other than FSDP2.
+    """
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    value = strategy.get("cpu_offload", False) if hasattr(strategy, "get") else False
+    if not isinstance(value, bool):
+        raise ValueError(f"estimate: trainer.strategy.cpu_offload must be true or false, got {value!r}")
+    if value and (per_rank is None or per_rank[0] != "fsdp2"):
+        raise ValueError("estimate: trainer.strategy.cpu_offload is FSDP2's; use it with trainer=fsdp2")
+    return value
+
+
 def _options(cfg: Any) -> dict[str, Any]:
     gpu_memory = cfg.get("gpu_memory")
     margin = cfg.get("safety_margin")
@@ -212,23 +229,26 @@ def _options(cfg: Any) -> dict[str, Any]:
     check = cfg.get("check_linearity")
     if check is not None and not isinstance(check, bool):
         raise ValueError(f"check_linearity must be true or false, got {check!r}")
+    per_rank = data_parallel_plan(cfg)
     return {
         "batch_size": _positive_int_or_none(cfg, "batch_size"),
         "seq_len": _positive_int_or_none(cfg, "seq_len"),
         "gpu_bytes": parse_memory_size(gpu_memory) if gpu_memory is not None else None,
         "margin": margin,
         "check": True if check is None else check,
-        "per_rank": data_parallel_plan(cfg),
+        "per_rank": per_rank,
+        "cpu_offload": strategy_cpu_offload(cfg, per_rank),
     }
 
 
 class _Estimator:
     """One recipe's module (built once) and a cache of its estimates by batch size."""
 
-    def __init__(self, cfg: Any, check: bool, per_rank: tuple[str, int] | None = None) -> None:
+    def __init__(self, cfg: Any, check: bool, per_rank: tuple[str, int] | None = None, cpu_offload: bool = False) -> None:
         self.cfg = cfg
         self.check = check
         self.per_rank = per_rank
+        self.cpu_offload = cpu_offload
         # One micro-batch of several (trainer.accumulate_grad_batches > 1): gradients are live from the start.
         self.accumulating = _accumulates(cfg)
         self.optimizer_foreach = True  # the peak reported is a CUDA device's: foreach is its default
@@ -266,7 +286,12 @@ class _Estimator:
                 raise
             self.worst_case_filler = self._filler()
             est = self._estimate(batch, rows, check=check)
-        return est if self.per_rank is None else per_rank_estimate(est, *self.per_rank)
+        if self.per_rank is None:
+            return est
+        strategy, world = self.per_rank
+        # Frozen models the method keeps whole on every rank (GRADE's reference and reward model) are not sharded.
+        replicated = replicated_parameter_bytes(self.run.module, self.total_blocks) if strategy == "fsdp2" else 0
+        return per_rank_estimate(est, strategy, world, cpu_offload=self.cpu_offload, replicated_bytes=replicated)
 
     def _estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
         if rows in self.cache:
@@ -308,7 +333,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     """Everything ``lit-memopt estimate`` prints, without printing it."""
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), _cpu_seconds()
-    estimator = _Estimator(cfg, opts["check"], opts["per_rank"])
+    estimator = _Estimator(cfg, opts["check"], opts["per_rank"], opts["cpu_offload"])
     try:
         batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
         estimate = estimator.estimate(batch, None)
@@ -348,6 +373,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         cpu_seconds=_cpu_seconds() - cpu_started,
         notes=estimator.notes,
         per_rank=opts["per_rank"],
+        cpu_offload=opts["cpu_offload"],
     )
 
 
@@ -363,7 +389,8 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
             console = Console(width=110)
     est = report.estimate
     shape = f"{est.batch_size} × {est.seq_len} tokens" if est.seq_len else f"{est.batch_size} rows"
-    where = f", per rank of {report.per_rank[1]} ({report.per_rank[0]})" if report.per_rank else ""
+    offload = ", cpu offload" if report.cpu_offload else ""
+    where = f", per rank of {report.per_rank[1]} ({report.per_rank[0]}{offload})" if report.per_rank else ""
     console.print(f"[bold]Predicted peak memory of one training step[/]: recipe={report.recipe} model={report.model}, batch {shape}{where}")
     table = Table()
     table.add_column("at the peak", style="bold")

@@ -19,6 +19,7 @@ from lit_memopt.cli_estimate import (
     block_count,
     cpu_seconds,
     data_parallel_plan,
+    strategy_cpu_offload,
     estimate_options,
     recipe_batch,
 )
@@ -130,7 +131,7 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
     key = _checkpoint_key(cfg)
     parallel = data_parallel_plan(cfg)
     strategy, world = parallel if parallel is not None else ("single", 1)
-    offload = strategy == "fsdp2" and bool((cfg.trainer.get("strategy") or {}).get("cpu_offload", False))
+    offload = strategy_cpu_offload(cfg, parallel)
     module = cfg.get("module") or {}
     _, seq = batch_geometry(batch)
     # generation recipes run each row's prompt and its new tokens, and GRPO-style ones sample a group per prompt

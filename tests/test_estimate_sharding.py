@@ -238,3 +238,37 @@ def test_grade_names_its_reference_and_reward_model_as_replicated() -> None:
     blocks = decoder_blocks(module.reference)
     # at twice the depth the reference counts its blocks twice (the estimator's fake module is built shallower)
     assert replicated_parameter_bytes(module, 2 * len(blocks)) == built + sum(size(b) for b in blocks)
+
+
+def test_estimate_reads_the_offload_switch_and_refuses_it_where_it_means_nothing() -> None:
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_estimate import data_parallel_plan, strategy_cpu_offload
+
+    def offload(*overrides: str) -> bool:
+        cfg = compose_config(["recipe=sft", *overrides])
+        return strategy_cpu_offload(cfg, data_parallel_plan(cfg))
+
+    assert offload("trainer=fsdp2", "trainer.strategy.cpu_offload=true") is True
+    assert offload("trainer=fsdp2") is False and offload() is False
+    with pytest.raises(ValueError, match=r"cpu_offload must be true or false, got 'yes'"):
+        offload("trainer=fsdp2", "trainer.strategy.cpu_offload=yes")
+    with pytest.raises(ValueError, match=r"cpu_offload is FSDP2's; use it with trainer=fsdp2"):
+        offload("trainer=ddp", "+trainer.strategy.cpu_offload=true")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fsdp2_estimate_keeps_grades_frozen_models_whole_on_every_rank() -> None:
+    """GRADE's reference copy and reward model are not sharded by ``configure_model``: the per-rank parameters are
+    the policy's shard plus both frozen models whole, as ``plan`` counts them."""
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_estimate import estimate_recipe
+
+    base = ["recipe=grade", "module.max_new_tokens=4", "check_linearity=false"]
+    single = estimate_recipe(compose_config(base)).estimate
+    report = estimate_recipe(compose_config([*base, "trainer=fsdp2", "trainer.devices=2"]))
+    assert report.per_rank == ("fsdp2", 2) and "frozen models kept whole on every rank" in report.estimate.method
+    params = single.phase_breakdowns["optimizer step"]["parameters"]
+    rank = report.estimate.phase_breakdowns["optimizer step"]["parameters"]
+    replicated = 2 * rank - params  # rank = (params - replicated) / 2 + replicated
+    assert 0 < replicated < params and abs(rank - (-(-(params - replicated) // 2) + replicated)) <= 1

@@ -148,3 +148,26 @@ def test_the_gpu_check_counts_misordered_pairs_beyond_ten_percent() -> None:
     chosen = choose(result, 4)
     assert len(chosen) == 4 and all(p.peak_bytes <= result.usable_bytes for p in chosen)
     assert [p.seconds for p in chosen] == sorted(p.seconds for p in chosen)
+
+
+def _convex(ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
+    """``_estimate`` with activations that also grow with the square of the rows: a line between two traced
+    micro-batches over-predicts every one between them (as the allocator's segments can)."""
+    est = _estimate(ckpt, rows, acc)
+    phases = {k: dict(v) for k, v in est.phase_breakdowns.items()}
+    for k in ("forward", "backward"):
+        phases[k]["activations"] += rows * rows * 8 * MIB
+    peaks = {k: sum(v.values()) for k, v in phases.items()}
+    top = max(peaks, key=peaks.get)
+    return dataclasses.replace(est, phase_breakdowns=phases, phase_peaks=peaks, peak_bytes=peaks[top],
+                               breakdown=dict(phases[top]), peak_phase=top, reserved_peak_bytes=peaks[top] + 64 * MIB)
+
+
+@pytest.mark.parametrize("mib", range(2000, 2700, 50))
+def test_a_near_miss_on_the_line_is_traced_and_the_fastest_true_fit_found(mib: int) -> None:
+    result = _plan(mib * MIB, trace=_convex, offload=False)
+    truly_fitting = [p.seconds for p in result.predictions
+                     if _convex(p.candidate.checkpointing, p.candidate.micro_batch, p.candidate.accumulation > 1)
+                     .reserved_peak_bytes <= result.usable_bytes]
+    assert truly_fitting and result.best is not None and result.best.traced
+    assert result.best.seconds == min(truly_fitting)

@@ -28,17 +28,21 @@ def _main(args: list[str]) -> int:
         return int(exc.code or 0)
 
 
-def test_round_trip_through_estimate() -> None:
-    # 100 MiB binds the tiny SFT step (178 MiB reserved as given): the plan accumulates and checkpoints
-    cfg = cli.compose_config(["recipe=sft", "gpu_memory=100MiB"])
+@pytest.mark.parametrize("budget", ["100MiB", "40MiB"])
+def test_round_trip_through_estimate(budget: str) -> None:
+    # 100 MiB binds the tiny SFT step (178 MiB reserved as given): the plan accumulates and checkpoints; at 40 MiB
+    # the optimizer step's model state alone does not fit: FSDP2 offloads it to the host on the one device
+    cfg = cli.compose_config(["recipe=sft", f"gpu_memory={budget}"])
     result = plan_recipe(cfg)
     best = result.best
     assert best is not None and best.traced
+    assert best.candidate.offload == (budget == "40MiB"), best.candidate
     overrides = plan_overrides(cfg, result, best)
     assert overrides, "the budget binds: the plan changes something"
-    report = estimate_recipe(cli.compose_config(["recipe=sft", "gpu_memory=100MiB", *overrides]))
+    report = estimate_recipe(cli.compose_config(["recipe=sft", f"gpu_memory={budget}", *overrides]))
+    assert report.cpu_offload == best.candidate.offload
     reserved = report.estimate.reserved_peak_bytes
-    assert reserved <= 100 * 2**20 * (1 - report.safety_margin)
+    assert reserved <= int(budget.removesuffix("MiB")) * 2**20 * (1 - report.safety_margin)
     assert abs(reserved - best.peak_bytes) <= 0.02 * best.peak_bytes, (reserved, best.peak_bytes)
 
 
