@@ -13,13 +13,24 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from lit_memopt.memory.batch import resize_batch
-from lit_memopt.memory.blocks import CHECK_BLOCKS, SHIFTED_CHECK_BLOCKS, LinearityError, estimate_with_blocks
-from lit_memopt.memory.search import DEFAULT_SAFETY_MARGIN, BatchFit, largest_micro_batch, parse_memory_size
+from lit_memopt.memory.blocks import (
+    CHECK_BLOCKS,
+    SHIFTED_CHECK_BLOCKS,
+    LinearityError,
+    estimate_with_blocks,
+)
+from lit_memopt.memory.search import (
+    DEFAULT_SAFETY_MARGIN,
+    BatchFit,
+    largest_micro_batch,
+    parse_memory_size,
+)
+from lit_memopt.memory.sharding import COMMUNICATION_ROW, per_rank_estimate
 from lit_memopt.memory.step import (
     BREAKDOWN_LABELS,
     EstimateError,
@@ -29,9 +40,8 @@ from lit_memopt.memory.step import (
     format_bytes,
     measure_on_cuda,
 )
-from lit_memopt.memory.sharding import COMMUNICATION_ROW, per_rank_estimate
-from lit_memopt.models.sharding import replicated_parameter_bytes
 from lit_memopt.memory.worst_case import filler_token_id
+from lit_memopt.models.sharding import replicated_parameter_bytes
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
 

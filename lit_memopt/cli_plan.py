@@ -19,9 +19,9 @@ from lit_memopt.cli_estimate import (
     block_count,
     cpu_seconds,
     data_parallel_plan,
-    strategy_cpu_offload,
     estimate_options,
     recipe_batch,
+    strategy_cpu_offload,
 )
 from lit_memopt.memory.batch import batch_geometry, resize_batch
 from lit_memopt.memory.plan import (

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _ranks import free_port, run_ranks
 
 from lit_memopt.memory.sharding import per_rank_estimate
 from lit_memopt.memory.step import PeakEstimate
 from lit_memopt.memory.tracker import ModuleMemory
-
-from _ranks import free_port, run_ranks
 
 WORLD = 2
 # The embedded tiny model with 2 blocks (a full trace) on a batch large enough for activations to matter.
@@ -149,8 +147,8 @@ def test_sharding_arithmetic_by_phase() -> None:
 
 
 def test_cli_rejects_devices_it_cannot_count(capsys) -> None:  # noqa: ANN001
-    from lit_memopt.cli_estimate import data_parallel_plan
     from lit_memopt.cli import compose_config
+    from lit_memopt.cli_estimate import data_parallel_plan
 
     assert data_parallel_plan(compose_config(["recipe=sft", "trainer=ddp", "trainer.devices=8"])) == ("ddp", 8)
     assert data_parallel_plan(compose_config(["recipe=sft", "trainer=fsdp2", "trainer.devices=4", "trainer.num_nodes=2"])) == ("fsdp2", 8)
