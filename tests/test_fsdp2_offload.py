@@ -228,6 +228,26 @@ def test_the_time_model_prices_cpu_offload() -> None:
         step_seconds(replace(_qwen3_4b(world_size=8), strategy="ddp", cpu_offload=True), DEVICES["h100"])
 
 
+def test_frozen_models_kept_whole_are_neither_gathered_nor_copied() -> None:
+    """A frozen reference as large as the policy (GRADE, full fine-tuning): its forward costs compute and memory
+    reads as before, but FSDP2 leaves it whole on every rank, so it adds no all-gather and no PCIe copy."""
+    from dataclasses import replace
+
+    from lit_memopt.memory.plan_time import DEVICES, step_seconds
+
+    spec = DEVICES["h100"]
+    for world, offload in ((1, True), (8, True), (8, False)):
+        policy = _qwen3_4b(world_size=world, cpu_offload=offload, tokens=512)  # few tokens: the copies and gathers bind
+        # the reference's bytes and FLOPs on top of the policy's, trained parameters unchanged
+        both = replace(policy, parameters=2 * policy.parameters, parameter_bytes=2 * policy.parameter_bytes)
+        counted_sharded = step_seconds(both, spec)
+        kept_whole = step_seconds(replace(both, replicated_bytes=policy.parameter_bytes), spec)
+        assert step_seconds(policy, spec) <= kept_whole < counted_sharded, (world, offload)
+        # on one device without offload nothing is gathered or copied: the split changes nothing
+    single = replace(_qwen3_4b(world_size=1), parameters=2 * _qwen3_4b().parameters)
+    assert step_seconds(single, spec) == step_seconds(replace(single, replicated_bytes=single.parameter_bytes / 2), spec)
+
+
 def _scaled(work: Any, scale: float) -> dict[str, float]:
     return {k: getattr(work, k) * scale for k in ("parameters", "trainable", "parameter_bytes", "trainable_bytes",
                                                    "optimizer_state_bytes")}

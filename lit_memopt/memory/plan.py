@@ -391,4 +391,5 @@ def _work_from(est: PeakEstimate, shape: RecipeShape) -> StepWork:
     size = float(max(shape.dtype_bytes, 1))
     return StepWork(parameters=params / size, trainable=trainable / size, parameter_bytes=params,
                     trainable_bytes=trainable, optimizer_state_bytes=states, tokens=0.0, micro_batches=1,
-                    blocks=shape.blocks, world_size=shape.world_size, nodes=shape.nodes)
+                    blocks=shape.blocks, world_size=shape.world_size, nodes=shape.nodes,
+                    replicated_bytes=float(min(shape.replicated_bytes, params)))

@@ -28,6 +28,8 @@ micro-batch plus what each lever adds:
   gradient and both moments, write weight and moments) at ``HOST_BANDWIDTH_EFFICIENCY`` of the node's host
   memory bandwidth (``DeviceSpec.host_bytes_per_second``), shared by the node's ranks, which all step at
   once; the device's memory does no optimizer traffic.
+- Frozen models FSDP2 leaves whole on every rank (``StepWork.replicated_bytes``: a reference copy, a reward
+  model) cost their FLOPs and weight reads like any model, but are neither gathered nor copied to or from the host.
 
 The numbers in :data:`DEVICES` are the vendors' datasheet peaks, with the source of each; host memory
 bandwidth is the DDR peak of the reference server named in each source.
@@ -143,6 +145,8 @@ class StepWork:
         strategy: ``single``, ``ddp`` or ``fsdp2``; world_size: data-parallel ranks; nodes: machines.
         cpu_offload: FSDP2's ``CPUOffloadPolicy`` (``fsdp2`` only, any world size): parameter, gradient and
             optimizer-state shards in host memory, the optimizer step on the host.
+        replicated_bytes: bytes of ``parameter_bytes`` in frozen models FSDP2 leaves whole on every rank (a
+            reference copy, a reward model): never gathered, never copied to or from the host.
     """
 
     parameters: float
@@ -158,6 +162,7 @@ class StepWork:
     world_size: int = 1
     nodes: int = 1
     cpu_offload: bool = False
+    replicated_bytes: float = 0.0
 
 
 def step_seconds(work: StepWork, device: DeviceSpec) -> float:
@@ -179,10 +184,11 @@ def step_seconds(work: StepWork, device: DeviceSpec) -> float:
     link = device.link_bytes_per_second if work.nodes <= 1 else min(device.link_bytes_per_second, INTERNODE_BYTES_PER_SECOND)
     share = (w - 1) / w
     pcie = device.pcie_bytes_per_second * BANDWIDTH_EFFICIENCY
-    copy_in = 2.0 * work.parameter_bytes / w  # offload: parameter shards in, for the forward and the backward all-gather
+    sharded = max(work.parameter_bytes - work.replicated_bytes, 0.0)  # what FSDP2 shards, gathers and offloads
+    copy_in = 2.0 * sharded / w  # offload: parameter shards in, for the forward and the backward all-gather
     copy_out = work.trainable_bytes / w  # offload: gradient shards out after their reduce-scatter
     if work.strategy == "fsdp2" and (w > 1 or work.cpu_offload):
-        gathered = 2.0 * work.parameter_bytes * share + work.trainable_bytes * share
+        gathered = 2.0 * sharded * share + work.trainable_bytes * share
         streams = gathered / link  # prefetched all-gathers overlap the compute they feed
         if work.cpu_offload:
             streams += (copy_in + copy_out) / pcie  # each copy runs just before its collective, on the same stream
