@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lit_memopt.memory.batch import resize_batch
+from lit_memopt.memory.fake import adopt_fakes
 from lit_memopt.memory.blocks import (
     CHECK_BLOCKS,
     SHIFTED_CHECK_BLOCKS,
@@ -139,6 +140,7 @@ def with_fake_weights(model_config: Any) -> Any:
 
     out = copy.copy(model_config)
     object.__setattr__(out, "build_model", fake_build_model)
+    object.__setattr__(out, "fake_mode", mode)  # build_fake_run re-makes copies' fakes (deepcopy) in it
     return out
 
 
@@ -167,13 +169,20 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
     """``instantiate_run(cfg)`` with fake language-model weights and ``blocks`` blocks (``None``: as configured)."""
     from lit_memopt.cli import instantiate_run
 
+    modes = []
+
     def prepare(model_config: Any) -> Any:
         if not hasattr(model_config, "build_model"):
             raise EstimateError(f"estimate: {type(model_config).__name__} has no build_model(); cannot build it with fake weights")
-        return with_fake_weights(model_config if blocks is None else with_blocks(model_config, blocks))
+        prepared = with_fake_weights(model_config if blocks is None else with_blocks(model_config, blocks))
+        modes.append(prepared.fake_mode)
+        return prepared
 
     run = instantiate_run(step_config(cfg), prepare_model_config=prepare)
     module = run.module
+    if modes:
+        # A frozen reference deep-copied from the policy (GRADE, Intuitor, CRSP) is made of fakes of a new mode.
+        adopt_fakes(module, modes[-1])
     if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
         # A module that executes generated code (CRSP) starts its sandbox in setup; outside "fit", setup
         # does nothing else, in particular nothing that needs a Trainer.

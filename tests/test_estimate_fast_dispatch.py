@@ -160,3 +160,22 @@ def test_whole_estimates_equal_those_of_torchs_dispatch(recipe: str, monkeypatch
     _stock_dispatch(monkeypatch)
     compat_torch.FakeTensorMode.cache_clear()
     assert _report(overrides) == fast
+
+
+def test_adopt_fakes_remakes_a_deep_copys_fakes_in_the_models_mode_keeping_ties() -> None:
+    import copy
+
+    from lit_memopt.memory.fake import adopt_fakes, fake_mode
+
+    with fake_mode(allow_non_fake_inputs=True) as mode:
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+        model[1].weight = model[0].weight  # tied head
+        model.register_buffer("scale", torch.ones(3, 2).t())
+    reference = copy.deepcopy(model).requires_grad_(False)
+    assert reference[0].weight.fake_mode is not mode  # what deepcopy does to fakes
+    holder = torch.nn.ModuleDict({"policy": model, "reference": reference})
+    assert adopt_fakes(holder, mode) == 2  # the tied weight once, the buffer
+    assert reference[1].weight is reference[0].weight and isinstance(reference[0].weight, torch.nn.Parameter)
+    assert reference[0].weight.fake_mode is mode and not reference[0].weight.requires_grad
+    assert reference.scale.fake_mode is mode and reference.scale.stride() == (1, 2) and "scale" in dict(reference.named_buffers())
+    assert model[0].weight.requires_grad and adopt_fakes(holder, mode) == 0

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from lit_memopt._compat.torch import FakeTensorMode, FastFakeTensorMode
+from lit_memopt._compat.torch import FakeTensor, FakeTensorMode, FastFakeTensorMode
 from lit_memopt.memory.tracker import StepTracker
 from lit_memopt.memory.tracker import snapshot_categories as _categories
 from lit_memopt.memory.tracker import snapshot_total as _total
@@ -33,6 +33,31 @@ def fake_mode(*, allow_non_fake_inputs: bool = False) -> Iterator[FakeTensorMode
     mode = FastFakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
     with mode:
         yield mode
+
+
+def adopt_fakes(module: torch.nn.Module, mode: FakeTensorMode) -> int:
+    """Re-make in ``mode`` each parameter and buffer of ``module`` that is a fake tensor of another fake mode.
+
+    ``copy.deepcopy`` of a fake-weight model (a frozen reference copy of the policy) gives tensors of a new fake
+    mode. A step traced in ``mode`` converts such a tensor on every use it does not memoize, and the tracker counts
+    each conversion as a new allocation (GRADE's tied reference head: 0.72 GiB of phantom activations at Qwen3-4B).
+    Re-made here once, with the same shape, strides, dtype, device and ``requires_grad``; tensors shared by several
+    modules (tied weights) stay shared. Returns how many distinct tensors were re-made.
+    """
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (old, new): old kept alive, so ids stay unique
+    owners = {name: sub for name, sub in module.named_modules(remove_duplicate=False)}
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for qualified, t in tensors:
+        if not isinstance(t, FakeTensor) or t.fake_mode is mode:
+            continue
+        if id(t) not in made:
+            with mode:
+                data = torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=t.fake_device)
+            new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+            made[id(t)] = (t, new)
+        owner_name, _, name = qualified.rpartition(".")
+        setattr(owners[owner_name], name, made[id(t)][1])  # nn.Module.__setattr__ keeps it a parameter / buffer
+    return len(made)
 
 
 @dataclass
