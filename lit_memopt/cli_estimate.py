@@ -42,6 +42,7 @@ from lit_memopt.memory.step import (
     measure_on_cuda,
 )
 from lit_memopt.memory.worst_case import filler_token_id
+from lit_memopt.models.hf import checkpoint_period
 from lit_memopt.models.sharding import replicated_parameter_bytes
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
@@ -142,6 +143,13 @@ def with_fake_weights(model_config: Any) -> Any:
     object.__setattr__(out, "build_model", fake_build_model)
     object.__setattr__(out, "fake_mode", mode)  # build_fake_run re-makes copies' fakes (deepcopy) in it
     return out
+
+
+def checkpoint_period_of(cfg: Any) -> int:
+    """The recipe's checkpointing period: ``k`` where ``module.gradient_checkpointing=k`` checkpoints every k-th
+    decoder block (k >= 2), else 1 (every block, or none: either is the same for each block)."""
+    value = (cfg.get("module") or {}).get("gradient_checkpointing")
+    return checkpoint_period(value, "module.gradient_checkpointing") if value not in (None, False, True) else 1
 
 
 def step_config(cfg: Any) -> Any:
@@ -275,9 +283,12 @@ class _Estimator:
         from hydra.utils import instantiate
 
         self.total_blocks = block_count(instantiate(cfg.model))
-        # Built with 4 blocks: 1, 2 and 3 are traced, and 4 when the 1-block trace is off the line.
-        self.blocks = (min(self.total_blocks, SHIFTED_CHECK_BLOCKS)
-                       if self.total_blocks is not None and self.total_blocks > CHECK_BLOCKS else None)
+        # Every k-th block checkpointed: the step repeats in groups of k blocks, traced as such.
+        self.period = checkpoint_period_of(cfg)
+        # Built with 4 blocks (groups): 1, 2 and 3 are traced, and 4 when the 1-block trace is off the line.
+        total, p = self.total_blocks, self.period
+        self.blocks = (min(total, SHIFTED_CHECK_BLOCKS * p)
+                       if total is not None and total > CHECK_BLOCKS * p and total % p == 0 else None)
         self.run = build_fake_run(cfg, self.blocks)
         self.cache: dict[int | None, PeakEstimate] = {}
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
@@ -324,7 +335,8 @@ class _Estimator:
                 # sandbox, whose worker pipes the two processes would share.
                 parallel = getattr(self.run.module, "sandbox", None) is None
                 est = estimate_with_blocks(self.run.module, batch, self.total_blocks, built_blocks=self.blocks,
-                                           check=self.check if check is None else check, parallel=parallel, **kwargs)
+                                           check=self.check if check is None else check, parallel=parallel,
+                                           period=self.period, **kwargs)
             except LinearityError as exc:
                 self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
                 self.blocks = None

@@ -56,6 +56,41 @@ def test_extrapolated_peak_matches_a_full_trace(checkpointing: bool) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("period", [2, 3])
+def test_every_kth_block_checkpointed_extrapolates_in_groups_of_k(period: int) -> None:
+    """Every k-th block checkpointed: traces of k and 2k blocks (checked with 3k) give a 12-block step's peaks, which
+    lie between no checkpointing and all of it; a step traced block by block (period 1) is not linear and refused."""
+    batch = _batch()
+    full = estimate_peak(_fake_sft(12, gradient_checkpointing=period), batch, optimizer_foreach=True)
+    est = estimate_with_blocks(_fake_sft(3 * period, gradient_checkpointing=period), batch, 12, built_blocks=3 * period,
+                               period=period, optimizer_foreach=True)
+    assert f"blocks traced: {period} and {2 * period}" in est.method and f"checked with a trace of {3 * period}" in est.method
+    for phase, value in full.phase_peaks.items():
+        assert abs(est.phase_peaks[phase] - value) <= 0.001 * value, (phase, est.phase_peaks, full.phase_peaks)
+    none = estimate_peak(_fake_sft(12), batch, optimizer_foreach=True)
+    every = estimate_peak(_fake_sft(12, gradient_checkpointing=True), batch, optimizer_foreach=True)
+    assert every.phase_peaks["forward"] < full.phase_peaks["forward"] < none.phase_peaks["forward"]
+    with pytest.raises(LinearityError):  # blocks 1, 2, 3: checkpointed, not, checkpointed
+        estimate_with_blocks(_fake_sft(3, gradient_checkpointing=2), batch, 12, optimizer_foreach=True)
+    with pytest.raises(ValueError, match="period must be a positive integer dividing num_blocks=13"):
+        estimate_with_blocks(_fake_sft(3 * period, gradient_checkpointing=period), batch, 13, period=period)
+
+
+def test_gradient_checkpointing_takes_true_false_or_a_period() -> None:
+    from lit_memopt.models.hf import checkpoint_period
+
+    assert [checkpoint_period(v) for v in (False, True, 0, 1, 2, 5)] == [0, 1, 0, 1, 2, 5]
+    for bad in (-1, 1.5, "2", None):
+        with pytest.raises(ValueError, match="gradient_checkpointing must be true, false or k >= 2"):
+            checkpoint_period(bad)
+    with pytest.raises(ValueError, match="module.gradient_checkpointing must be"):
+        _fake_sft(2, gradient_checkpointing=-2)
+    module = _fake_sft(4, gradient_checkpointing=2)
+    flags = [layer.gradient_checkpointing for layer in module.model.model.layers]
+    assert flags == [True, False, True, False]
+
+
 def test_truncation_restores_the_module() -> None:
     module = _fake_sft(3)
     params = sum(p.numel() for p in module.parameters())

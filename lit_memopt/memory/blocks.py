@@ -169,6 +169,7 @@ def estimate_with_blocks(
     built_blocks: int = CHECK_BLOCKS,
     check: bool = True,
     parallel: bool = False,
+    period: int = 1,
     **kwargs: Any,
 ) -> PeakEstimate:
     """:func:`estimate_peak` of ``module`` as if it had ``num_blocks`` blocks, from traces of 1 and 2 (and 3).
@@ -179,13 +180,24 @@ def estimate_with_blocks(
     forked copy of the process while this one runs the others (``memory.forked``; where forking is
     unsafe, or the copy fails, it runs here after them). Keyword arguments go to :func:`estimate_peak`.
 
+    ``period``: the blocks repeat in groups of ``period`` (every ``period``-th block checkpointed): every trace
+    count above is multiplied by it (probes ``period`` and ``2 * period``, checked with ``3 * period``; built with
+    that many), and ``num_blocks`` must be a multiple of it.
+
     Raises:
         LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
             than ``LINEARITY_TOLERANCE`` in a phase's peak), and, when built with 4, the 4-block trace
             with the line through 2 and 3: trace the whole model instead.
-        ValueError: the module has fewer blocks than the traces need.
+        ValueError: the module has fewer blocks than the traces need, or ``num_blocks`` is not a multiple of
+            ``period``.
     """
-    need = CHECK_BLOCKS if check else max(PROBE_BLOCKS)
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1 or num_blocks % period:
+        raise ValueError(f"estimate_with_blocks: period must be a positive integer dividing num_blocks={num_blocks}, "
+                         f"got {period!r}")
+    p = period
+    probe_blocks, check_blocks = tuple(k * p for k in PROBE_BLOCKS), CHECK_BLOCKS * p
+    shifted_probes, shifted_check = tuple(k * p for k in SHIFTED_PROBE_BLOCKS), SHIFTED_CHECK_BLOCKS * p
+    need = check_blocks if check else max(probe_blocks)
     if built_blocks < need or count_blocks(module, built_blocks) == 0:
         raise ValueError(
             f"estimate_with_blocks: the module needs decoders built with at least {need} blocks (a `layers` list "
@@ -196,7 +208,7 @@ def estimate_with_blocks(
         with truncated_blocks(module, k, built_blocks):
             return estimate_peak(module, batch, **kwargs)
 
-    counts = (*PROBE_BLOCKS, CHECK_BLOCKS) if check else PROBE_BLOCKS
+    counts = (*probe_blocks, check_blocks) if check else probe_blocks
     # The traces are independent: the largest goes to a forked copy of this process while the others
     # run here (two cores busy; a third process on a 2-core machine measured slower, not faster).
     largest = counts[-1]
@@ -219,22 +231,22 @@ def estimate_with_blocks(
             pass
     if largest not in traces:
         traces[largest] = trace(largest)
-    probes, checked_at, kink = PROBE_BLOCKS, CHECK_BLOCKS, ""
+    probes, checked_at, kink = probe_blocks, check_blocks, ""
     if check:
         try:
-            _check_line(traces, PROBE_BLOCKS, CHECK_BLOCKS)
+            _check_line(traces, probe_blocks, check_blocks)
         except LinearityError as first:
             # A 1-block step can peak somewhere else than every longer stack (measured: a LoRA 7B
             # model's forward peak), a kink the line through 1 and 2 blocks cannot see. Moving the
             # window up one block keeps the same check: probes 2 and 3, checked with 4.
-            if built_blocks < SHIFTED_CHECK_BLOCKS:
+            if built_blocks < shifted_check:
                 raise
-            traces[SHIFTED_CHECK_BLOCKS] = trace(SHIFTED_CHECK_BLOCKS)
+            traces[shifted_check] = trace(shifted_check)
             try:
-                _check_line(traces, SHIFTED_PROBE_BLOCKS, SHIFTED_CHECK_BLOCKS)
+                _check_line(traces, shifted_probes, shifted_check)
             except LinearityError as second:
                 raise LinearityError(f"{first}; and {second}") from None
-            probes, checked_at, kink = SHIFTED_PROBE_BLOCKS, SHIFTED_CHECK_BLOCKS, "; the 1-block trace peaked off that line"
+            probes, checked_at, kink = shifted_probes, shifted_check, f"; the {p}-block trace peaked off that line"
     method = f"blocks traced: {probes[0]} and {probes[1]}, extrapolated to {num_blocks}"
     if check:
         method += f" (linear in the block count: checked with a trace of {checked_at}{kink})"

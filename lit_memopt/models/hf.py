@@ -67,17 +67,42 @@ def pretrained_tokenizer(path: str):
                          f"({str(err).splitlines()[0][:160]}); set model.tokenizer=/path/to/its/tokenizer.") from None
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing of every decoder layer of a transformers model.
+def enable_gradient_checkpointing(model: torch.nn.Module, every_n_layers: int = 1) -> None:
+    """Non-reentrant activation checkpointing of every ``every_n_layers``-th decoder layer of a transformers model
+    (the 1st, the (n+1)-th, ...; ``1``: every layer).
 
     transformers 5.x renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` (the old
-    name warns that it goes in v6); older releases have only the old name.
+    name warns that it goes in v6) and added ``every_n_layers``; older releases have only the old name, and
+    checkpoint every layer.
+
+    Raises:
+        ValueError: ``every_n_layers`` below 1, or above 1 with a transformers release that has no such option.
     """
+    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers must be a positive integer (1: every layer), got {every_n_layers!r}")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    elif every_n_layers == 1:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"checkpointing every {every_n_layers}th layer needs transformers >= 5 "
+                         "(activation_checkpointing_enable(every_n_layers=...)); use gradient_checkpointing=true")
+
+
+def checkpoint_period(value: Any, name: str = "gradient_checkpointing") -> int:
+    """A module's ``gradient_checkpointing`` setting as a period: 0 (off), 1 (every decoder layer) or k (every k-th).
+
+    Accepts ``false``/``true`` and non-negative integers.
+
+    Raises:
+        ValueError: anything else, naming the setting.
+    """
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(f"{name} must be true, false or k >= 2 (every k-th decoder layer), got {value!r}")
 
 
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:

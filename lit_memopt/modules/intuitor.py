@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memopt._compat.lightning import attached_trainer
 from lit_memopt.models import lm_head_weight
-from lit_memopt.models.hf import enable_gradient_checkpointing
+from lit_memopt.models.hf import checkpoint_period, enable_gradient_checkpointing
 from lit_memopt.models.sharding import shard_for_fsdp2
 from lit_memopt.modules._optim import adamw_with_warmup
 from lit_memopt.modules.heldout import MeanAndStderr
@@ -85,7 +85,8 @@ class IntuitorModule(pl.LightningModule):
             ``"none"`` does not (Dr. GRPO; see :func:`~lit_memopt.modules.rollout.group_advantages`).
         reference_micro_batch_size: rollouts per reference forward (``None``: all at once).
         chunk_size: tile of the fused head ops (``None``: automatic).
-        gradient_checkpointing: transformers' non-reentrant activation checkpointing.
+        gradient_checkpointing: transformers' non-reentrant activation checkpointing: ``true`` of every decoder
+            layer, an integer ``k >= 2`` of every k-th (less recomputation, less saved), ``false`` none.
         seed: base seed of the rollouts (each step samples with ``seed + step``-derived seeds).
         checker: ``checker(response_text, answer) -> float`` in ``[0, 1]``; ``None`` uses the
             datamodule's ``checker`` attribute when it has one. Accuracy needs ``answers`` in the batch.
@@ -144,7 +145,7 @@ class IntuitorModule(pl.LightningModule):
         scale_rewards: str = "group",
         reference_micro_batch_size: int | None = None,
         chunk_size: int | None = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | int = False,
         seed: int = 0,
         checker: Callable[[str, str], float] | None = None,
         warm_start: dict[str, Any] | WarmStart | None = None,
@@ -178,8 +179,9 @@ class IntuitorModule(pl.LightningModule):
         self.model = model_config.build_model()
         self.val_accuracy = MeanAndStderr()  # over held-out prompts
         self.val_accuracy_greedy = MeanAndStderr()
-        if gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
+        period = checkpoint_period(gradient_checkpointing, "module.gradient_checkpointing")
+        if period:
+            enable_gradient_checkpointing(self.model, every_n_layers=period)
         self.reference: torch.nn.Module | None = None
         if kl_coef > 0 and not is_peft_model(self.model):
             # No adapter to switch off: keep a frozen copy of the initial policy as the reference.

@@ -10,6 +10,7 @@ import torch
 from lit_memopt.models.hf import (
     ModelConfig,
     decoder_hidden_states,
+    checkpoint_period,
     enable_gradient_checkpointing,
     lm_head_weight,
 )
@@ -49,7 +50,8 @@ class SFTModule(pl.LightningModule):
         betas: AdamW betas.
         warmup_steps: linear warm-up steps of the learning rate (then constant).
         chunk_size: rows per tile of the fused head op; ``None`` chooses automatically.
-        gradient_checkpointing: turn on transformers' non-reentrant gradient checkpointing.
+        gradient_checkpointing: transformers' non-reentrant activation checkpointing: ``true`` of every decoder
+            layer, an integer ``k >= 2`` of every k-th (less recomputation, less saved), ``false`` none.
 
     Raises:
         ValueError: on a non-positive ``lr`` or a negative ``warmup_steps``.
@@ -74,7 +76,7 @@ class SFTModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         chunk_size: int | None = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | int = False,
     ) -> None:
         super().__init__()
         if lr <= 0:
@@ -85,8 +87,9 @@ class SFTModule(pl.LightningModule):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.model = model_config.build_model()
-        if gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
+        period = checkpoint_period(gradient_checkpointing, "module.gradient_checkpointing")
+        if period:
+            enable_gradient_checkpointing(self.model, every_n_layers=period)
 
     def configure_model(self) -> None:
         """Under FSDP2 (``trainer=fsdp2``) shard each decoder block and the root; elsewhere nothing to do."""
