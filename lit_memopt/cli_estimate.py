@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from lit_memopt.memory.batch import resize_batch
-from lit_memopt.memory.fake import adopt_fakes
 from lit_memopt.memory.blocks import (
     CHECK_BLOCKS,
     SHIFTED_CHECK_BLOCKS,
     LinearityError,
     estimate_with_blocks,
 )
+from lit_memopt.memory.fake import adopt_fakes
 from lit_memopt.memory.search import (
     DEFAULT_SAFETY_MARGIN,
     BatchFit,

@@ -54,6 +54,9 @@ MATHS_EFFECTS = {
 }
 # The module switches that checkpoint every decoder block, by recipe module (the first one the module has).
 CHECKPOINT_KEYS = ("gradient_checkpointing", "checkpoint_steps")
+# The switches that also take k >= 2, every k-th decoder block (transformers' every_n_layers), and the k searched.
+PERIODIC_CHECKPOINT_KEYS = ("gradient_checkpointing",)
+CHECKPOINT_PERIODS = (2,)
 # Command-line keys that configure the plan itself, not the run it plans.
 _PLAN_ONLY = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -136,8 +139,13 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
     _, seq = batch_geometry(batch)
     # generation recipes run each row's prompt and its new tokens, and GRPO-style ones sample a group per prompt
     tokens = float((seq or 1) + int(module.get("max_new_tokens") or 0)) * int(module.get("num_samples") or 1)
+    checkpointing = None if key is None else module.get(key)
+    if not (isinstance(checkpointing, int) and not isinstance(checkpointing, bool) and checkpointing >= 2):
+        checkpointing = None if key is None else bool(checkpointing)
+    # every k-th block: the blocks must come in whole groups of k (the estimator traces them so)
+    periods = tuple(k for k in CHECKPOINT_PERIODS if blocks % k == 0 and blocks > k) if key in PERIODIC_CHECKPOINT_KEYS else ()
     return RecipeShape(
-        rows=rows, accumulation=accumulation, checkpointing=None if key is None else bool(module.get(key)),
+        rows=rows, accumulation=accumulation, checkpointing=checkpointing, checkpoint_periods=periods,
         strategy=strategy, world_size=world, nodes=int(cfg.trainer.get("num_nodes") or 1), blocks=blocks,
         tokens_per_row=tokens, dtype_bytes=DTYPE_BYTES.get(str(cfg.model.get("dtype", "float32")), 4),
         offload=offload, maths=tuple(maths), replicated_bytes=int(replicated),
@@ -262,11 +270,18 @@ def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Predict
 
 def _describe(p: Prediction) -> str:
     c = p.candidate
-    parts = [f"micro-batch {c.micro_batch} × {c.accumulation}", "checkpointing" if c.checkpointing else "no checkpointing"]
+    ck = c.checkpointing
+    checkpointing = ("no checkpointing" if not ck else "checkpointing" if ck is True
+                     else f"checkpointing every {_ordinal(int(ck))} block")
+    parts = [f"micro-batch {c.micro_batch} × {c.accumulation}", checkpointing]
     if c.strategy != "single":
         parts.append(c.strategy + (" + cpu offload" if c.offload else ""))
     parts += list(c.maths)
     return ", ".join(parts)
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(k if k < 20 else k % 10, 'th') }"
 
 
 def _unit(memory_bytes: int) -> tuple[str, int]:
@@ -288,14 +303,15 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
     print(f"The recipe as given ({_describe(rec)}): {what} {format_bytes(rec.peak_bytes)} per rank.", file=out)
     unit, scale = _unit(result.memory_bytes)
     if result.fits:
-        header = (f"{'#':>2}  {'plan':<58} {'peak ' + unit:>9} {'headroom':>9} {'step time':>9}  {'peak from':<12} "
+        width = max([58, *(len(_describe(p)) for p in result.plans)])
+        header = (f"{'#':>2}  {'plan':<{width}} {'peak ' + unit:>9} {'headroom':>9} {'step time':>9}  {'peak from':<12} "
                   f"levers ({unit} saved, time cost)")
         print(header, file=out)
         print("-" * len(header), file=out)
         for i, p in enumerate(result.plans, 1):
             levers = "; ".join(k if v is None else f"{k} {v[0] / scale:.2f}, {v[1]:+.0%}" for k, v in p.levers.items())
             levers = levers or "none (the recipe)"
-            print(f"{i:>2}  {_describe(p):<58} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
+            print(f"{i:>2}  {_describe(p):<{width}} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
                   f"{p.relative_time:>8.2f}×  {'traced' if p.traced else 'interpolated':<12} {levers}", file=out)
         print(f"Step time is relative to the recipe as given ({result.device.name}, memory.plan_time); "
               f"{result.traces} steps traced.", file=out)

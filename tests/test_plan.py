@@ -171,3 +171,45 @@ def test_a_near_miss_on_the_line_is_traced_and_the_fastest_true_fit_found(mib: i
                      .reserved_peak_bytes <= result.usable_bytes]
     assert truly_fitting and result.best is not None and result.best.traced
     assert result.best.seconds == min(truly_fitting)
+
+
+def _periodic(ckpt: bool | int, rows: int, acc: bool) -> PeakEstimate:
+    """``_estimate`` where checkpointing every 2nd block keeps half the activations (all of them: a quarter)."""
+    est = _estimate(bool(ckpt), rows, acc)
+    if ckpt is True or not ckpt:
+        return est
+    assert ckpt == 2
+    phases = {k: dict(v) for k, v in est.phase_breakdowns.items()}
+    for k in ("forward", "backward"):
+        phases[k]["activations"] *= 2  # a half kept instead of a quarter
+    peaks = {k: sum(v.values()) for k, v in phases.items()}
+    top = max(peaks, key=peaks.get)
+    return dataclasses.replace(est, phase_breakdowns=phases, phase_peaks=peaks, peak_bytes=peaks[top],
+                               breakdown=dict(phases[top]), peak_phase=top, reserved_peak_bytes=peaks[top] + 64 * MIB)
+
+
+def test_checkpointing_every_other_block_sits_between_none_and_all() -> None:
+    from lit_memopt.memory.plan import recompute_share
+
+    shape = dataclasses.replace(SHAPE, checkpoint_periods=(2,))
+    assert [recompute_share(v) for v in (False, True, 2, 3)] == [0.0, 1.0, 0.5, 1 / 3]
+    seen = set()
+    for gib in (2.3, 2.5, 2.8, 3.2, 3.6):
+        result = _plan(int(gib * 2**30), shape=shape, trace=_periodic, offload=False)
+        assert result.fits
+        best = result.best
+        seen.add(best.candidate.checkpointing)
+        # the fastest true fit among every candidate of the search (each traced here, exactly)
+        truth = min(p.seconds for p in result.predictions
+                    if _periodic(p.candidate.checkpointing, p.candidate.micro_batch, p.candidate.accumulation > 1)
+                    .reserved_peak_bytes <= result.usable_bytes)
+        assert best.seconds == truth, gib
+        if best.candidate.checkpointing == 2:
+            assert "checkpointing" in best.levers and best.levers["checkpointing"][1] > 0
+    assert 2 in seen  # some budget is best served by checkpointing every other block
+    # every other block costs half the recomputation of all of them, in the time model
+    result = _plan(int(2.8 * 2**30), shape=shape, trace=_periodic, offload=False)
+    by_ck = {p.candidate.checkpointing: p.seconds for p in result.predictions
+             if (p.candidate.micro_batch, p.candidate.strategy) == (4, "single")}
+    assert set(by_ck) == {False, True, 2} and by_ck[False] < by_ck[2] < by_ck[True]
+    assert abs((by_ck[2] - by_ck[False]) - (by_ck[True] - by_ck[False]) / 2) < 1e-9 * by_ck[True]

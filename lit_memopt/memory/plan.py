@@ -4,7 +4,8 @@ The levers searched keep the maths of a step exact:
 
 - the micro-batch ``m`` with gradient accumulation ``G / m``, where ``G`` (the recipe's rows per rank and
   optimizer step) stays the same, so the global batch does;
-- activation checkpointing of every decoder block (the module's own switch);
+- activation checkpointing of every decoder block, or of every k-th (``RecipeShape.checkpoint_periods``: half the
+  recomputation and about half the saving for k=2), through the module's own switch;
 - the data-parallel strategy: FSDP2 instead of DDP over the same devices, or the reverse;
 - FSDP2 with its parameters, gradients and optimizer state offloaded to host memory (``CPUOffloadPolicy``),
   on one device as well as several (not for ``plan.device=cpu``, whose device is the host).
@@ -36,7 +37,8 @@ from lit_memopt.memory.plan_time import DeviceSpec, StepWork, step_seconds
 from lit_memopt.memory.sharding import per_rank_estimate
 from lit_memopt.memory.step import PeakEstimate
 
-__all__ = ["RETRACE", "Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "merge_variants", "search_plans", "state_floor"]
+__all__ = ["RETRACE", "Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "merge_variants",
+           "recompute_share", "search_plans", "state_floor"]
 
 # How many of the best interpolated candidates are traced again per round before the answer is trusted.
 RETRACE = 3
@@ -55,7 +57,7 @@ class Candidate:
 
     micro_batch: int
     accumulation: int
-    checkpointing: bool
+    checkpointing: bool | int  # False: none; True: every decoder block; k >= 2: every k-th block
     strategy: str  # single | ddp | fsdp2
     offload: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state in host memory
     maths: tuple[str, ...] = ()  # the plan.allow levers this candidate's recipe variant applies (lora, shorter_seq)
@@ -68,7 +70,10 @@ class RecipeShape:
     Attributes:
         rows: rows of one loader batch per rank (``data.batch_size``).
         accumulation: the recipe's ``trainer.accumulate_grad_batches``.
-        checkpointing: the recipe's checkpointing setting (``None``: the module has no such switch).
+        checkpointing: the recipe's checkpointing setting (``None``: the module has no such switch; ``k >= 2``:
+            every k-th block).
+        checkpoint_periods: the partial checkpointing settings the module's switch takes (every k-th block), searched
+            beside none and all of them.
         strategy / world_size / nodes: as given on the command line (``single`` on one device).
         blocks: decoder blocks of the model.
         tokens_per_row: positions one row runs through the model (prompt and generated tokens).
@@ -77,7 +82,7 @@ class RecipeShape:
 
     rows: int
     accumulation: int
-    checkpointing: bool | None
+    checkpointing: bool | int | None
     strategy: str
     world_size: int
     nodes: int
@@ -87,6 +92,7 @@ class RecipeShape:
     offload: bool = False
     maths: tuple[str, ...] = ()
     replicated_bytes: int = 0  # frozen models' parameters kept whole on every rank under FSDP2 (per_rank_estimate)
+    checkpoint_periods: tuple[int, ...] = ()
 
     @property
     def global_rows(self) -> int:
@@ -94,7 +100,8 @@ class RecipeShape:
 
     @property
     def recipe(self) -> Candidate:
-        return Candidate(self.rows, self.accumulation, bool(self.checkpointing), self.strategy, self.offload, self.maths)
+        ck = self.checkpointing if recompute_share(self.checkpointing) not in (0.0, 1.0) else bool(self.checkpointing)
+        return Candidate(self.rows, self.accumulation, ck, self.strategy, self.offload, self.maths)
 
 
 @dataclass
@@ -136,6 +143,13 @@ class PlanResult:
     @property
     def best(self) -> Prediction | None:
         return self.plans[0] if self.plans else None
+
+
+def recompute_share(checkpointing: bool | int | None) -> float:
+    """Share of the decoder blocks run again in backward: 0 (none), 1 (every block) or 1/k (every k-th)."""
+    if not checkpointing:
+        return 0.0
+    return 1.0 if checkpointing is True else 1.0 / int(checkpointing)
 
 
 def divisors(n: int) -> list[int]:
@@ -214,7 +228,8 @@ def search_plans(
     recipe = shape.recipe
     g = shape.global_rows
     sizes = divisors(g)
-    checkpointing = [recipe.checkpointing] if shape.checkpointing is None else sorted({recipe.checkpointing, True})
+    checkpointing = ([recipe.checkpointing] if shape.checkpointing is None
+                     else sorted({recipe.checkpointing, True, *shape.checkpoint_periods}, key=recompute_share))
     if shape.world_size <= 1:
         strategies = [(shape.strategy, shape.offload)]
     else:
@@ -245,7 +260,7 @@ def search_plans(
     def seconds(c: Candidate) -> float:  # the time model needs no trace of the candidate, only the recipe's
         return step_seconds(dataclasses.replace(
             work, tokens=c.micro_batch * shape.tokens_per_row, micro_batches=c.accumulation,
-            recompute=1.0 if c.checkpointing else 0.0, strategy=c.strategy, cpu_offload=c.offload), device)
+            recompute=recompute_share(c.checkpointing), strategy=c.strategy, cpu_offload=c.offload), device)
 
     def order(p: Prediction) -> tuple:
         return (round(p.seconds, 12), len(changed_levers(p.candidate, recipe)), p.peak_bytes, p.candidate)
@@ -284,7 +299,8 @@ def search_plans(
             probe(ck)
         candidates = sorted(set(faster) | {c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)})
     else:
-        smallest = Candidate(sizes[0], g // sizes[0], max(checkpointing), recipe.strategy, recipe.offload, shape.maths)
+        smallest = Candidate(sizes[0], g // sizes[0], max(checkpointing, key=recompute_share), recipe.strategy,
+                             recipe.offload, shape.maths)
         if all(predict(dataclasses.replace(smallest, strategy=s, offload=o), exact=True).peak_bytes > usable for s, o in strategies):
             candidates = [dataclasses.replace(smallest, strategy=s, offload=o) for s, o in strategies] + [
                 dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]

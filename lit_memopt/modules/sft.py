@@ -9,8 +9,8 @@ import torch
 
 from lit_memopt.models.hf import (
     ModelConfig,
-    decoder_hidden_states,
     checkpoint_period,
+    decoder_hidden_states,
     enable_gradient_checkpointing,
     lm_head_weight,
 )
