@@ -53,7 +53,7 @@ def test_impossible_budget_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "does not fit: needs at least" in out and "with every lever" in out and "closest plan:" in out
 
 
-def _truth_plan(overrides: list[str], share: float):
+def _truth_plan(overrides: list[str], share: float, offload: bool = True):
     """A CPU plan (live tensor bytes, no margin) under a budget ``share`` of the way from what no lever changes (the
     optimizer step's model state) to the recipe's own predicted peak."""
     cfg = cli.compose_config([*overrides, "plan.device=cpu", "safety_margin=0"])
@@ -71,7 +71,7 @@ def _truth_plan(overrides: list[str], share: float):
         recipe = trace(False, shape.rows, shape.accumulation > 1)
         floor = state_floor(recipe)
         budget = int(floor + share * (recipe.peak_bytes - floor))
-        result = search_plans(trace, shape, budget, device=DEVICES["cpu"], margin=0.0, use_reserved=False)
+        result = search_plans(trace, shape, budget, device=DEVICES["cpu"], margin=0.0, use_reserved=False, offload=offload)
     finally:
         tracer.close()
     return cfg, result, budget
@@ -79,15 +79,20 @@ def _truth_plan(overrides: list[str], share: float):
 
 @pytest.mark.parametrize(("overrides", "share"), [
     (["recipe=sft"], 0.6),
+    # two rows of 512 tokens: the plan checkpoints every 2nd block (module.gradient_checkpointing=2)
+    (["recipe=sft", "data.batch_size=2", "data.seq_len=512"], 0.3),
     (["recipe=grade", "module.max_new_tokens=8"], 0.6),
     (["recipe=intuitor", "module.warm_start.steps=0", "module.max_new_tokens=6"], 0.6),
-], ids=["sft", "grade", "intuitor"])
+], ids=["sft", "sft-every-2nd-block", "grade", "intuitor"])
 def test_plan_holds_and_is_tight_under_memory_budget(overrides: list[str], share: float, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    cfg, result, budget = _truth_plan(overrides, share)
+    every_2nd = "data.seq_len=512" in overrides  # searched without FSDP2's offload, as the command plans for a CPU
+    cfg, result, budget = _truth_plan(overrides, share, offload=not every_2nd)
     assert result.fits and result.fastest_not_fitting is not None
     best, tight = result.best, result.fastest_not_fitting
     assert best.traced and tight.traced
+    if every_2nd:
+        assert best.candidate.checkpointing == 2 and "module.gradient_checkpointing=2" in plan_overrides(cfg, result, best)
     capsys.readouterr()
     code = _main(["fit", *overrides, *FIT, *plan_overrides(cfg, result, best), f"memory_budget={budget}",
                   f"hydra.run.dir={tmp_path / 'fits'}"])
