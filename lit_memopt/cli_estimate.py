@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -146,10 +147,29 @@ def with_fake_weights(model_config: Any) -> Any:
 
 
 def checkpoint_period_of(cfg: Any) -> int:
-    """The recipe's checkpointing period: ``k`` where ``module.gradient_checkpointing=k`` checkpoints every k-th
-    decoder block (k >= 2), else 1 (every block, or none: either is the same for each block)."""
+    """The recipe's checkpointing period: ``k`` where ``module.gradient_checkpointing=k`` or an
+    ``ActivationCheckpointing(every_k_layers=k)`` callback checkpoints every k-th decoder block (k >= 2), else 1
+    (every block, or none: either is the same for each block); both: their least common multiple."""
     value = (cfg.get("module") or {}).get("gradient_checkpointing")
-    return checkpoint_period(value, "module.gradient_checkpointing") if value not in (None, False, True) else 1
+    period = checkpoint_period(value, "module.gradient_checkpointing") if value not in (None, False, True) else 1
+    for callback in activation_checkpointing_callbacks(cfg):
+        period = math.lcm(period, callback.every_k_layers)
+    return max(period, 1)
+
+
+def activation_checkpointing_callbacks(cfg: Any) -> list[Any]:
+    """The recipe's ``ActivationCheckpointing`` callbacks (``callbacks.*``), built: they change a step's memory, so
+    the estimator applies them to its module as the run's ``setup`` would."""
+    from hydra.utils import instantiate
+
+    from lit_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
+
+    found = []
+    for value in (cfg.get("callbacks") or {}).values():
+        target = value.get("_target_", "") if hasattr(value, "get") else ""
+        if str(target).rsplit(".", 1)[-1] == ActivationCheckpointing.__name__:
+            found.append(instantiate(value))
+    return found
 
 
 def step_config(cfg: Any) -> Any:
@@ -191,6 +211,9 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
     if modes:
         # A frozen reference deep-copied from the policy (GRADE, Intuitor, CRSP) is made of fakes of a new mode.
         adopt_fakes(module, modes[-1])
+    for callback in activation_checkpointing_callbacks(cfg):
+        # as the callback's setup wraps the layers; activation offload is not modelled (see _Estimator's notes)
+        callback.apply(module, offload=False)
     if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
         # A module that executes generated code (CRSP) starts its sandbox in setup; outside "fit", setup
         # does nothing else, in particular nothing that needs a Trainer.
@@ -290,6 +313,9 @@ class _Estimator:
         self.blocks = (min(total, SHIFTED_CHECK_BLOCKS * p)
                        if total is not None and total > CHECK_BLOCKS * p and total % p == 0 else None)
         self.run = build_fake_run(cfg, self.blocks)
+        if any(c.offload_to_cpu for c in activation_checkpointing_callbacks(cfg)):
+            self.notes.append("ActivationCheckpointing(offload_to_cpu=true): the activations it moves to host memory are "
+                              "counted on the device (activation offload is not modelled; an upper bound)")
         self.cache: dict[int | None, PeakEstimate] = {}
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
         self.worst_case_filler: int | None = None
