@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning
 import pytest
