@@ -146,13 +146,15 @@ def with_fake_weights(model_config: Any) -> Any:
     return out
 
 
-def checkpoint_period_of(cfg: Any) -> int:
+def checkpoint_period_of(cfg: Any, callbacks: list[Any] | None = None) -> int:
     """The recipe's checkpointing period: ``k`` where ``module.gradient_checkpointing=k`` or an
     ``ActivationCheckpointing(every_k_layers=k)`` callback checkpoints every k-th decoder block (k >= 2), else 1
-    (every block, or none: either is the same for each block); both: their least common multiple."""
+    (every block, or none: either is the same for each block); both: their least common multiple.
+
+    ``callbacks``: the recipe's ``ActivationCheckpointing`` callbacks when already built (else built here)."""
     value = (cfg.get("module") or {}).get("gradient_checkpointing")
     period = checkpoint_period(value, "module.gradient_checkpointing") if value not in (None, False, True) else 1
-    for callback in activation_checkpointing_callbacks(cfg):
+    for callback in activation_checkpointing_callbacks(cfg) if callbacks is None else callbacks:
         period = math.lcm(period, callback.every_k_layers)
     return max(period, 1)
 
@@ -193,8 +195,10 @@ def step_config(cfg: Any) -> Any:
     return cfg
 
 
-def build_fake_run(cfg: Any, blocks: int | None) -> Any:
-    """``instantiate_run(cfg)`` with fake language-model weights and ``blocks`` blocks (``None``: as configured)."""
+def build_fake_run(cfg: Any, blocks: int | None, callbacks: list[Any] | None = None) -> Any:
+    """``instantiate_run(cfg)`` with fake language-model weights and ``blocks`` blocks (``None``: as configured).
+
+    ``callbacks``: the recipe's ``ActivationCheckpointing`` callbacks when already built (else built here)."""
     from lit_memopt.cli import instantiate_run
 
     modes = []
@@ -211,7 +215,7 @@ def build_fake_run(cfg: Any, blocks: int | None) -> Any:
     if modes:
         # A frozen reference deep-copied from the policy (GRADE, Intuitor, CRSP) is made of fakes of a new mode.
         adopt_fakes(module, modes[-1])
-    for callback in activation_checkpointing_callbacks(cfg):
+    for callback in activation_checkpointing_callbacks(cfg) if callbacks is None else callbacks:
         # as the callback's setup wraps the layers; activation offload is not modelled (see _Estimator's notes)
         callback.apply(module, offload=False)
     if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
@@ -306,14 +310,16 @@ class _Estimator:
         from hydra.utils import instantiate
 
         self.total_blocks = block_count(instantiate(cfg.model))
+        # Built once: they set the trace period, wrap the module's layers, and may need a note.
+        self.checkpointing_callbacks = activation_checkpointing_callbacks(cfg)
         # Every k-th block checkpointed: the step repeats in groups of k blocks, traced as such.
-        self.period = checkpoint_period_of(cfg)
+        self.period = checkpoint_period_of(cfg, self.checkpointing_callbacks)
         # Built with 4 blocks (groups): 1, 2 and 3 are traced, and 4 when the 1-block trace is off the line.
         total, p = self.total_blocks, self.period
         self.blocks = (min(total, SHIFTED_CHECK_BLOCKS * p)
                        if total is not None and total > CHECK_BLOCKS * p and total % p == 0 else None)
-        self.run = build_fake_run(cfg, self.blocks)
-        if any(c.offload_to_cpu for c in activation_checkpointing_callbacks(cfg)):
+        self.run = build_fake_run(cfg, self.blocks, self.checkpointing_callbacks)
+        if any(c.offload_to_cpu for c in self.checkpointing_callbacks):
             self.notes.append("ActivationCheckpointing(offload_to_cpu=true): the activations it moves to host memory are "
                               "counted on the device (activation offload is not modelled; an upper bound)")
         self.cache: dict[int | None, PeakEstimate] = {}
@@ -366,7 +372,7 @@ class _Estimator:
             except LinearityError as exc:
                 self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
                 self.blocks = None
-                self.run = build_fake_run(self.cfg, None)
+                self.run = build_fake_run(self.cfg, None, self.checkpointing_callbacks)
         if est is None:
             est = estimate_peak(self.run.module, batch, **kwargs)
             est.num_blocks = self.total_blocks

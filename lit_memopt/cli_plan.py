@@ -34,6 +34,7 @@ from lit_memopt.memory.plan import (
 )
 from lit_memopt.memory.plan_time import device_spec
 from lit_memopt.memory.units import format_bytes
+from lit_memopt.models.hf import checkpoint_period
 from lit_memopt.models.sharding import replicated_parameter_bytes
 
 __all__ = ["MATHS_LEVERS", "PlanTracer", "plan_overrides", "plan_recipe", "recipe_shape", "render_plan", "run_plan_command"]
@@ -139,9 +140,13 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
     _, seq = batch_geometry(batch)
     # generation recipes run each row's prompt and its new tokens, and GRPO-style ones sample a group per prompt
     tokens = float((seq or 1) + int(module.get("max_new_tokens") or 0)) * int(module.get("num_samples") or 1)
-    checkpointing = None if key is None else module.get(key)
-    if not (isinstance(checkpointing, int) and not isinstance(checkpointing, bool) and checkpointing >= 2):
-        checkpointing = None if key is None else bool(checkpointing)
+    checkpointing: bool | int | None = None
+    if key in PERIODIC_CHECKPOINT_KEYS:
+        # the module's own reading of the switch: off, every block, or every k-th (a bad value is one line)
+        period = checkpoint_period(module.get(key) or False, f"module.{key}")
+        checkpointing = period if period >= 2 else bool(period)
+    elif key is not None:
+        checkpointing = bool(module.get(key))
     # every k-th block: the blocks must come in whole groups of k (the estimator traces them so)
     periods = tuple(k for k in CHECKPOINT_PERIODS if blocks % k == 0 and blocks > k) if key in PERIODIC_CHECKPOINT_KEYS else ()
     return RecipeShape(

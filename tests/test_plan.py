@@ -99,16 +99,21 @@ def test_fsdp2_is_searched_over_the_given_devices() -> None:
     assert "strategy" in result.best.levers
 
 
+def _rebuilt(est: PeakEstimate, phases: dict[str, dict[str, int]]) -> PeakEstimate:
+    """``est`` with its phases replaced by ``phases``: peaks, breakdown and reserved peak (64 MiB over) follow."""
+    peaks = {k: sum(v.values()) for k, v in phases.items()}
+    top = max(peaks, key=peaks.get)
+    return dataclasses.replace(est, peak_bytes=peaks[top], breakdown=dict(phases[top]), peak_phase=top, phase_peaks=peaks,
+                               phase_breakdowns=phases, reserved_peak_bytes=peaks[top] + 64 * MIB)
+
+
 def _lora_estimate(ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
     """The synthetic step with a frozen base: gradients and optimizer states of 1% of the parameters."""
     est = _estimate(ckpt, rows, acc)
     phases = {k: dict(v, gradients=v["gradients"] // 100, optimizer_state=v["optimizer_state"] // 100,
                       temporaries=v["temporaries"] // (100 if k == "optimizer step" else 1))
               for k, v in est.phase_breakdowns.items()}
-    peaks = {k: sum(v.values()) for k, v in phases.items()}
-    top = max(peaks, key=peaks.get)
-    return dataclasses.replace(est, peak_bytes=peaks[top], breakdown=dict(phases[top]), peak_phase=top, phase_peaks=peaks,
-                               phase_breakdowns=phases, reserved_peak_bytes=peaks[top] + 64 * MIB)
+    return _rebuilt(est, phases)
 
 
 def test_maths_levers_merge_against_the_recipe_as_given() -> None:
@@ -157,10 +162,7 @@ def _convex(ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
     phases = {k: dict(v) for k, v in est.phase_breakdowns.items()}
     for k in ("forward", "backward"):
         phases[k]["activations"] += rows * rows * 8 * MIB
-    peaks = {k: sum(v.values()) for k, v in phases.items()}
-    top = max(peaks, key=peaks.get)
-    return dataclasses.replace(est, phase_breakdowns=phases, phase_peaks=peaks, peak_bytes=peaks[top],
-                               breakdown=dict(phases[top]), peak_phase=top, reserved_peak_bytes=peaks[top] + 64 * MIB)
+    return _rebuilt(est, phases)
 
 
 @pytest.mark.parametrize("mib", range(2000, 2700, 50))
@@ -182,10 +184,7 @@ def _periodic(ckpt: bool | int, rows: int, acc: bool) -> PeakEstimate:
     phases = {k: dict(v) for k, v in est.phase_breakdowns.items()}
     for k in ("forward", "backward"):
         phases[k]["activations"] *= 2  # a half kept instead of a quarter
-    peaks = {k: sum(v.values()) for k, v in phases.items()}
-    top = max(peaks, key=peaks.get)
-    return dataclasses.replace(est, phase_breakdowns=phases, phase_peaks=peaks, peak_bytes=peaks[top],
-                               breakdown=dict(phases[top]), peak_phase=top, reserved_peak_bytes=peaks[top] + 64 * MIB)
+    return _rebuilt(est, phases)
 
 
 def test_checkpointing_every_other_block_sits_between_none_and_all() -> None:

@@ -97,3 +97,17 @@ def test_bad_allow_values_are_one_line(value: str, message: str) -> None:
 def test_plan_out_must_be_yaml() -> None:
     with pytest.raises(ValueError, match="give a .yaml file"):
         _plan_section(cli.compose_config(["recipe=sft", "plan.out=plan.txt"]))
+
+
+@pytest.mark.parametrize(("value", "expected"), [("false", False), ("true", True), ("1", True), ("2", 2), ("0", False)])
+def test_the_checkpoint_switch_is_read_as_the_module_reads_it(value: str, expected: bool | int) -> None:
+    import torch
+
+    from lit_memopt.cli_plan import recipe_shape
+
+    cfg = cli.compose_config(["recipe=sft", f"module.gradient_checkpointing={value}"])
+    shape = recipe_shape(cfg, {"input_ids": torch.zeros(2, 16, dtype=torch.long)}, blocks=4)
+    assert shape.checkpointing == expected and type(shape.checkpointing) is type(expected)
+    with pytest.raises(ValueError, match=r"module.gradient_checkpointing must be true, false or k >= 2.*got -1"):
+        recipe_shape(cli.compose_config(["recipe=sft", "module.gradient_checkpointing=-1"]),
+                     {"input_ids": torch.zeros(2, 16, dtype=torch.long)}, blocks=4)
