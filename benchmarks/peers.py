@@ -147,8 +147,25 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
             "absent": absent, "times": times, "reference_scale": errors["_reference_scale"]}
 
 
-def run(quick: bool = False, write: bool = True, ops: tuple[str, ...] = OPS, fake: bool = True) -> dict[str, Any]:
-    """Every comparison; writes ``results/peers_<device>[_quick].{md,json}`` and returns the data."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def result_stem(device: str, quick: bool, ops: tuple[str, ...] = OPS, dtypes: tuple[str, ...] = tuple(DTYPES),
+                memory: bool = True) -> str:
+    """``peers_<device>[_quick]`` for the whole run; a partial one (some ops or dtypes, or no memory part) adds what
+    it ran, ``peers_cpu_bfloat16_cross_entropy``, so that it never overwrites the whole run's file."""
+    stem = f"peers_{device}" + ("_quick" if quick else "")
+    if tuple(ops) == OPS and tuple(dtypes) == tuple(DTYPES) and memory:
+        return stem
+    parts = ([] if tuple(dtypes) == tuple(DTYPES) else list(dtypes)) + ([] if tuple(ops) == OPS else list(ops))
+    return "_".join([stem, *parts] + ([] if memory else ["time_only"]))
+
+
+def run(quick: bool = False, write: bool = True, ops: tuple[str, ...] = OPS, fake: bool = True,
+        dtypes: tuple[str, ...] = tuple(DTYPES), memory: bool = True) -> dict[str, Any]:
+    """Every comparison of ``ops`` in ``dtypes`` (names of :data:`DTYPES`); writes
+    ``results/<result_stem(...)>.{md,json}`` and returns the data. ``memory=False`` skips the memory part (real
+    and fake), ``fake=False`` its fake-tensor half."""
     peers = load_peers()
     triton_version = _version("triton")
     if triton_version is None or importlib.util.find_spec("triton") is None:
@@ -169,20 +186,20 @@ def run(quick: bool = False, write: bool = True, ops: tuple[str, ...] = OPS, fak
         "memory_real": [],
         "memory_fake": [],
     }
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (DTYPES[name] for name in dtypes):
         for op in ops:
             print(f"[peers] time + exactness: {op} {dtype}", flush=True)
             result["time"].append(compare(op, dtype, shape, reps, peers, sequence_length=seq))
             result["load_avg_1min"].append(_load_avg())
     real_shape = REAL_MEMORY_SHAPE_QUICK if quick else REAL_MEMORY_SHAPE
-    for op in ops:
+    for op in ops if memory else ():
         methods, _ = methods_for(op, torch.bfloat16, peers)
         x = make_inputs(real_shape, torch.bfloat16, sequence_length=seq)
         add_grpo_logps(x, seq)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result["memory_real"].append({"op": op, "dtype": "bfloat16", "shape": real_shape, "methods": real_memory(methods, x, frozen=op == "frozen_logprobs")})
-    if fake:
+    if fake and memory:
         fake_shape = FAKE_MEMORY_SHAPE_QUICK if quick else FAKE_MEMORY_SHAPE
         for op in ops:
             print(f"[peers] fake-tensor memory: {op}", flush=True)
@@ -195,8 +212,7 @@ def run(quick: bool = False, write: bool = True, ops: tuple[str, ...] = OPS, fak
     result["targets"] = judge(result)
     result["report_rows"] = report_rows(result)
     if write:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        stem = f"peers_{'cpu' if device == 'cpu' else 'cuda'}" + ("_quick" if quick else "")
+        stem = result_stem("cuda" if torch.cuda.is_available() else "cpu", quick, ops, dtypes, memory)
         result["written"] = write_results(stem, result, to_markdown(result))
     return result
 
@@ -205,13 +221,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 repetitions, fake tensors at 1024 tokens")
     parser.add_argument("--note", default=None, help="a line for the report (e.g. that the machine was shared)")
+    # A whole full-shape CPU run takes hours on one thread: these split it into pieces that each fit a sitting.
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
+                        help=f"only these comparisons (of {', '.join(OPS)}); the results file names them")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), metavar="DTYPE",
+                        help="only these dtypes (float32, bfloat16); the results file names them")
+    parser.add_argument("--no-memory", action="store_true", help="time and exactness only (no memory part)")
     args = parser.parse_args(argv)
-    result = run(quick=args.quick, write=False)
-    result["command"] = "python benchmarks/peers.py" + (" --quick" if args.quick else "")
+    # in the order of OPS and DTYPES, whatever the command line's, so that a stem names one selection
+    ops = tuple(op for op in OPS if op in args.ops)
+    dtypes = tuple(d for d in DTYPES if d in args.dtypes)
+    result = run(quick=args.quick, write=False, ops=ops, dtypes=dtypes, memory=not args.no_memory)
+    result["command"] = " ".join(["python benchmarks/peers.py", *(["--quick"] if args.quick else []),
+                                  *(["--ops", *ops] if ops != OPS else []),
+                                  *(["--dtypes", *dtypes] if dtypes != tuple(DTYPES) else []),
+                                  *(["--no-memory"] if args.no_memory else [])])
     if args.note:
         result["note"] = args.note
     device = "cpu" if not torch.cuda.is_available() else "cuda"
-    result["written"] = write_results(f"peers_{device}" + ("_quick" if args.quick else ""), result, to_markdown(result))
+    stem = result_stem(device, args.quick, ops, dtypes, not args.no_memory)
+    result["written"] = write_results(stem, result, to_markdown(result))
     print(to_markdown(result))
     for path in result["written"]:
         print(f"wrote {path}")

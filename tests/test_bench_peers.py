@@ -278,3 +278,24 @@ def test_the_gpu_only_benchmarks_say_so_on_a_cpu(monkeypatch: pytest.MonkeyPatch
     for module in (rl_shapes_cuda, tile_sweep_cuda):
         with pytest.raises(SystemExit, match="needs a CUDA device"):
             module.main()
+
+
+def test_a_partial_run_names_its_pieces_and_runs_only_them(only_a_missing_peer: dict[str, peers.Peer],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    assert peers.result_stem("cpu", False) == "peers_cpu"
+    assert peers.result_stem("cpu", False, ("cross_entropy",), ("bfloat16",)) == "peers_cpu_bfloat16_cross_entropy"
+    assert peers.result_stem("cuda", True, peers.OPS, ("float32",), memory=False) == "peers_cuda_quick_float32_time_only"
+    written = {}
+    monkeypatch.setattr(peers, "write_results", lambda stem, result, markdown: written.update(
+        stem=stem, result=result, markdown=markdown) or [f"{stem}.md"])
+    # the command line's order does not matter: the stem and the command follow OPS and DTYPES
+    assert peers.main(["--quick", "--ops", "frozen_logprobs", "cross_entropy", "--dtypes", "float32", "--no-memory"]) == 0
+    result = written["result"]
+    assert written["stem"] == "peers_cpu_quick_float32_cross_entropy_frozen_logprobs_time_only"
+    assert [(c["op"], c["dtype"]) for c in result["time"]] == [("cross_entropy", "float32"), ("frozen_logprobs", "float32")]
+    assert result["memory_real"] == [] and result["memory_fake"] == []
+    assert result["command"] == ("python benchmarks/peers.py --quick --ops cross_entropy frozen_logprobs "
+                                 "--dtypes float32 --no-memory")
+    assert "cross_entropy" in written["markdown"]
+    with pytest.raises(SystemExit):
+        peers.main(["--ops", "not_an_op"])
