@@ -58,6 +58,13 @@ CHECKPOINT_KEYS = ("gradient_checkpointing", "checkpoint_steps")
 # The switches that also take k >= 2, every k-th decoder block (transformers' every_n_layers), and the k searched.
 PERIODIC_CHECKPOINT_KEYS = ("gradient_checkpointing",)
 CHECKPOINT_PERIODS = (2,)
+# Modules that optimize manually (CRSP) run their own micro-batches inside one step, and Lightning refuses its
+# gradient accumulation there: their micro-batch lever is the module's setting, here with the sequences of the step's
+# largest role pass (the value that makes that pass one micro-batch).
+INNER_MICRO_BATCH: dict[str, Any] = {
+    "module.generation.micro_batch_size": lambda cfg: int(cfg.data.batch_size) * max(
+        1, int(cfg.module.roles.num_solver_samples), int(cfg.module.roles.critiques_per_task)),
+}
 # Command-line keys that configure the plan itself, not the run it plans.
 _PLAN_ONLY = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -127,11 +134,30 @@ def _positive(value: Any, key: str) -> int:
     return int(value)
 
 
-def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), replicated: int = 0) -> RecipeShape:
-    """The recipe as given on the command line, for the search."""
+def micro_batch_key(cfg: Any, manual: bool) -> str | None:
+    """What the micro-batch lever changes (``RecipeShape.micro_batch_key``): ``None``, the loader's batch with
+    Lightning's accumulation; for a module that optimizes manually (``manual``) its own setting of
+    :data:`INNER_MICRO_BATCH`, or ``""`` where it has none (the step is not split)."""
+    from omegaconf import OmegaConf
+
+    if not manual:
+        return None
+    return next((k for k in INNER_MICRO_BATCH if OmegaConf.select(cfg, k, default=None) is not None), "")
+
+
+def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), replicated: int = 0,
+                 manual: bool = False) -> RecipeShape:
+    """The recipe as given on the command line, for the search; ``manual``: its module optimizes manually."""
+    from omegaconf import OmegaConf
+
     data = cfg.get("data") or {}
     rows = _positive(data.get("batch_size"), "data.batch_size")
     accumulation = _positive(cfg.trainer.get("accumulate_grad_batches", 1), "trainer.accumulate_grad_batches")
+    inner = micro_batch_key(cfg, manual)
+    if manual and accumulation > 1:
+        raise ValueError(f"plan: {cfg.module.get('_target_')} optimizes manually, and Lightning refuses "
+                         f"trainer.accumulate_grad_batches={accumulation} there; drop it"
+                         + (f" (the module splits its own step: {inner})" if inner else ""))
     key = _checkpoint_key(cfg)
     parallel = data_parallel_plan(cfg)
     strategy, world = parallel if parallel is not None else ("single", 1)
@@ -140,6 +166,13 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
     _, seq = batch_geometry(batch)
     # generation recipes run each row's prompt and its new tokens, and GRPO-style ones sample a group per prompt
     tokens = float((seq or 1) + int(module.get("max_new_tokens") or 0)) * int(module.get("num_samples") or 1)
+    if inner:
+        # rows become the module's sequences per forward/backward, and accumulation its passes over the largest role
+        value = _positive(OmegaConf.select(cfg, inner), inner)
+        rows, accumulation = value, -(-INNER_MICRO_BATCH[inner](cfg) // value)
+        new_tokens = OmegaConf.select(cfg, "module.generation.max_new_tokens", default=None)
+        if OmegaConf.is_dict(new_tokens):  # one cap per role: a sequence is at most the longest
+            tokens = float((seq or 1) + max(int(v) for v in new_tokens.values()))
     checkpointing: bool | int | None = None
     if key in PERIODIC_CHECKPOINT_KEYS:
         # the module's own reading of the switch: off, every block, or every k-th (a bad value is one line)
@@ -153,7 +186,7 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
         rows=rows, accumulation=accumulation, checkpointing=checkpointing, checkpoint_periods=periods,
         strategy=strategy, world_size=world, nodes=int(cfg.trainer.get("num_nodes") or 1), blocks=blocks,
         tokens_per_row=tokens, dtype_bytes=DTYPE_BYTES.get(str(cfg.model.get("dtype", "float32")), 4),
-        offload=offload, maths=tuple(maths), replicated_bytes=int(replicated),
+        offload=offload, maths=tuple(maths), replicated_bytes=int(replicated), micro_batch_key=inner,
     )
 
 
@@ -166,25 +199,39 @@ class PlanTracer:
         self.cfg = cfg
         self.cpu_target = cpu_target
         self.key = _checkpoint_key(cfg)
-        self.estimators: dict[bool, RecipeEstimator] = {}
+        # set once the module turns out to optimize manually (micro_batch_key): then `rows` are its own micro-batch
+        self.inner_key: str | None = None
+        self.estimators: dict[tuple[bool | int, int | None], RecipeEstimator] = {}
         self.batch: Any = None
         self._open_dict = open_dict
 
-    def estimator(self, ckpt: bool) -> RecipeEstimator:
-        if ckpt not in self.estimators:
+    def estimator(self, ckpt: bool | int, inner: int | None = None) -> RecipeEstimator:
+        """The estimator of the recipe with checkpointing ``ckpt`` and (``inner``) the module's micro-batch setting."""
+        if (ckpt, inner) not in self.estimators:
+            from omegaconf import OmegaConf
+
             cfg = self.cfg.copy()
-            if self.key is not None:
-                with self._open_dict(cfg):
+            with self._open_dict(cfg):
+                if self.key is not None:
                     cfg.module[self.key] = ckpt
+                if inner is not None:
+                    OmegaConf.update(cfg, self.inner_key, inner, merge=False)
             est = RecipeEstimator(cfg, False, None)
             # a CPU run (memory_budget) steps AdamW with its per-parameter loop, CUDA with foreach
             est.optimizer_foreach = not self.cpu_target
             if self.batch is None:
                 self.batch = recipe_batch(est.run.datamodule)
-            self.estimators[ckpt] = est
-        return self.estimators[ckpt]
+            self.estimators[(ckpt, inner)] = est
+        return self.estimators[(ckpt, inner)]
 
     def __call__(self, ckpt: bool, rows: int, accumulating: bool) -> Any:
+        if self.inner_key:
+            # the module's own micro-batches: the recipe's batch, split by the module in one step (its gradients are
+            # live across them as the trace shows, so no accumulating flag)
+            est = self.estimator(ckpt, rows)
+            est.accumulating = False
+            est.cache.clear()
+            return est.estimate(self.batch, None)
         est = self.estimator(ckpt)
         est.accumulating = accumulating
         est.cache.clear()  # keyed by rows only; memory.plan keeps its own cache by (checkpointing, rows, accumulating)
@@ -237,7 +284,9 @@ def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any
     tracer = PlanTracer(cfg, cpu_target)
     try:
         est = tracer.estimator(bool((cfg.get("module") or {}).get(tracer.key))) if tracer.key else tracer.estimator(False)
-        shape = recipe_shape(cfg, tracer.batch, blocks, maths, replicated_parameter_bytes(est.run.module, blocks))
+        manual = not getattr(est.run.module, "automatic_optimization", True)
+        shape = recipe_shape(cfg, tracer.batch, blocks, maths, replicated_parameter_bytes(est.run.module, blocks), manual)
+        tracer.inner_key = shape.micro_batch_key
         return search_plans(tracer, shape, opts["gpu_bytes"], device=device, margin=opts["margin"],
                             use_reserved=not cpu_target, offload=not cpu_target)
     finally:
@@ -257,7 +306,9 @@ def plan_overrides(cfg: Any, result: PlanResult, plan: Prediction) -> list[str]:
     if "cpu offload" in levers:
         out.append(f"trainer.strategy.cpu_offload={str(c.offload).lower()}")
     if "micro-batch" in levers:
-        out += [f"data.batch_size={c.micro_batch}", f"trainer.accumulate_grad_batches={c.accumulation}"]
+        key = result.shape.micro_batch_key
+        out += ([f"{key}={c.micro_batch}"] if key else
+                [f"data.batch_size={c.micro_batch}", f"trainer.accumulate_grad_batches={c.accumulation}"])
     if "checkpointing" in levers:
         out.append(f"module.{_checkpoint_key(cfg)}={str(c.checkpointing).lower()}")
     out += maths_overrides(cfg, [m for m in c.maths if m not in recipe.maths])
@@ -273,12 +324,14 @@ def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Predict
     return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in [*kept, *overrides, *extra])])
 
 
-def _describe(p: Prediction) -> str:
+def _describe(p: Prediction, shape: RecipeShape | None = None) -> str:
     c = p.candidate
     ck = c.checkpointing
     checkpointing = ("no checkpointing" if not ck else "checkpointing" if ck is True
                      else f"checkpointing every {_ordinal(int(ck))} block")
-    parts = [f"micro-batch {c.micro_batch} × {c.accumulation}", checkpointing]
+    batch = (f"micro-batch {c.micro_batch} × {c.accumulation}" if shape is None or not shape.micro_batch_key
+             else f"{c.micro_batch} sequence{'' if c.micro_batch == 1 else 's'} per pass")  # the module's own micro-batches (CRSP)
+    parts = [batch, checkpointing]
     if c.strategy != "single":
         parts.append(c.strategy + (" + cpu offload" if c.offload else ""))
     parts += list(c.maths)
@@ -302,13 +355,17 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
     ranks = f"{shape.world_size} × " if shape.world_size > 1 else ""
     print(f"Plan for recipe={cfg.get('recipe_name')} model={cfg.model.get('name')}: {ranks}{format_bytes(result.memory_bytes)} "
           f"({format_bytes(result.usable_bytes)} usable after a {result.margin:.0%} margin), step time modelled on "
-          f"{result.device.name}; global batch {shape.global_rows * shape.world_size} rows "
-          f"({shape.global_rows} per rank and step)", file=out)
+          f"{result.device.name}; " + (
+              f"global batch {shape.global_rows * shape.world_size} rows ({shape.global_rows} per rank and step)"
+              if not shape.micro_batch_key else
+              f"the module splits its step itself: the largest role's {INNER_MICRO_BATCH[shape.micro_batch_key](cfg)} "
+              f"sequences per rank in "
+              f"passes of {shape.micro_batch_key}"), file=out)
     rec = result.recipe
-    print(f"The recipe as given ({_describe(rec)}): {what} {format_bytes(rec.peak_bytes)} per rank.", file=out)
+    print(f"The recipe as given ({_describe(rec, shape)}): {what} {format_bytes(rec.peak_bytes)} per rank.", file=out)
     unit, scale = _unit(result.memory_bytes)
     if result.fits:
-        width = max([58, *(len(_describe(p)) for p in result.plans)])
+        width = max([58, *(len(_describe(p, shape)) for p in result.plans)])
         header = (f"{'#':>2}  {'plan':<{width}} {'peak ' + unit:>9} {'headroom':>9} {'step time':>9}  {'peak from':<12} "
                   f"levers ({unit} saved, time cost)")
         print(header, file=out)
@@ -316,13 +373,13 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
         for i, p in enumerate(result.plans, 1):
             levers = "; ".join(k if v is None else f"{k} {v[0] / scale:.2f}, {v[1]:+.0%}" for k, v in p.levers.items())
             levers = levers or "none (the recipe)"
-            print(f"{i:>2}  {_describe(p):<{width}} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
+            print(f"{i:>2}  {_describe(p, shape):<{width}} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
                   f"{p.relative_time:>8.2f}×  {'traced' if p.traced else 'interpolated':<12} {levers}", file=out)
         print(f"Step time is relative to the recipe as given ({result.device.name}, memory.plan_time); "
               f"{result.traces} steps traced.", file=out)
         if result.fastest_not_fitting is not None:
             q = result.fastest_not_fitting
-            print(f"Fastest plan that does not fit: {_describe(q)} ({format_bytes(q.peak_bytes)}, "
+            print(f"Fastest plan that does not fit: {_describe(q, shape)} ({format_bytes(q.peak_bytes)}, "
                   f"{'traced' if q.traced else 'interpolated'}).", file=out)
         for lever in dict.fromkeys(m for p in result.plans for m in p.candidate.maths):
             print(f"Changes the maths: {_effect(cfg, lever)}.", file=out)
@@ -331,7 +388,7 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
         # every plan was predicted (the closest's peak), or the optimizer step alone rules them all out (its floor)
         least = result.closest.peak_bytes if result.traces > 1 else max(result.floor_bytes, 1)
         need = least / (1.0 - result.margin)
-        print(f"does not fit: needs at least {format_bytes(need)} with every lever (closest plan: {_describe(result.closest)}, "
+        print(f"does not fit: needs at least {format_bytes(need)} with every lever (closest plan: {_describe(result.closest, shape)}, "
               f"{what} {format_bytes(result.closest.peak_bytes)}, {'traced' if result.closest.traced else 'interpolated'})", file=out)
         if result.traces == 1:
             offloaded = "" if result.device.name.startswith("CPU") else " even with FSDP2's CPU offload (what stays on the device)"
@@ -362,7 +419,7 @@ def experiment_yaml(cfg: Any, result: PlanResult, plan: Prediction) -> str:
     head = [
         "# @package _global_",
         (f"# lit-memopt plan for recipe={cfg.get('recipe_name')} model={cfg.model.get('name')} in "
-        f"{format_bytes(result.memory_bytes)} per device: {_describe(plan)}"),
+        f"{format_bytes(result.memory_bytes)} per device: {_describe(plan, result.shape)}"),
         (f"# predicted {what} {format_bytes(plan.peak_bytes)} per rank ({'traced' if plan.traced else 'interpolated'}), "
         f"step time {plan.relative_time:.2f}x the recipe's ({result.device.name}, memory.plan_time)"),
         *(f"# {_effect(cfg, m)}" for m in plan.candidate.maths),

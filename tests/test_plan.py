@@ -212,3 +212,15 @@ def test_checkpointing_every_other_block_sits_between_none_and_all() -> None:
              if (p.candidate.micro_batch, p.candidate.strategy) == (4, "single")}
     assert set(by_ck) == {False, True, 2} and by_ck[False] < by_ck[2] < by_ck[True]
     assert abs((by_ck[2] - by_ck[False]) - (by_ck[True] - by_ck[False]) / 2) < 1e-9 * by_ck[True]
+
+
+def test_a_step_that_cannot_be_split_keeps_its_batch() -> None:
+    """A module that optimizes manually and has no micro-batch setting of its own: Lightning refuses gradient
+    accumulation there, so no plan may split the loader's batch; checkpointing and strategy still apply."""
+    shape = dataclasses.replace(SHAPE, micro_batch_key="")
+    for gib in (2.0, 2.3, 3.0):
+        result = _plan(int(gib * 2**30), shape=shape)
+        assert {p.candidate.micro_batch for p in result.predictions} == {SHAPE.rows}, gib
+        assert all(p.candidate.accumulation == 1 for p in result.predictions)
+    # the same budget with the lever open splits the batch (the test above would pass vacuously otherwise)
+    assert _plan(int(2.0 * 2**30)).best.candidate.micro_batch < SHAPE.rows

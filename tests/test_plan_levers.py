@@ -111,3 +111,24 @@ def test_the_checkpoint_switch_is_read_as_the_module_reads_it(value: str, expect
     with pytest.raises(ValueError, match=r"module.gradient_checkpointing must be true, false or k >= 2.*got -1"):
         recipe_shape(cli.compose_config(["recipe=sft", "module.gradient_checkpointing=-1"]),
                      {"input_ids": torch.zeros(2, 16, dtype=torch.long)}, blocks=4)
+
+
+def test_a_manually_optimized_module_splits_its_own_step() -> None:
+    """CRSP optimizes manually: Lightning refuses gradient accumulation there, so the micro-batch lever is the
+    module's sequences per forward/backward, over its largest role (4 tasks x 4 solver answers here)."""
+    import torch
+
+    from lit_memopt.cli_plan import micro_batch_key, recipe_shape
+
+    crsp = cli.compose_config(["recipe=crsp"])
+    batch = {"input_ids": torch.zeros(4, 16, dtype=torch.long)}
+    assert micro_batch_key(crsp, manual=False) is None
+    assert micro_batch_key(crsp, manual=True) == "module.generation.micro_batch_size"
+    assert micro_batch_key(cli.compose_config(["recipe=sft"]), manual=True) == ""  # manual, and nothing to split
+    shape = recipe_shape(crsp, batch, blocks=4, manual=True)
+    assert (shape.rows, shape.accumulation, shape.micro_batch_key) == (4, 4, "module.generation.micro_batch_size")
+    # a value that does not divide the sequences: its passes are rounded up, and the recipe stays a candidate
+    odd = recipe_shape(cli.compose_config(["recipe=crsp", "module.generation.micro_batch_size=3"]), batch, 4, manual=True)
+    assert (odd.rows, odd.accumulation) == (3, 6)
+    with pytest.raises(ValueError, match="optimizes manually.*accumulate_grad_batches=2"):
+        recipe_shape(cli.compose_config(["recipe=crsp", "trainer.accumulate_grad_batches=2"]), batch, 4, manual=True)

@@ -66,8 +66,10 @@ def _truth_plan(overrides: list[str], share: float, offload: bool = True):
         return memo[key]
 
     try:
-        tracer.estimator(False)
-        shape = recipe_shape(cfg, tracer.batch, 4)
+        module = tracer.estimator(False).run.module
+        # a module that optimizes manually (CRSP) splits its step itself: its micro-batch lever is its own setting
+        shape = recipe_shape(cfg, tracer.batch, 4, manual=not module.automatic_optimization)
+        tracer.inner_key = shape.micro_batch_key
         recipe = trace(False, shape.rows, shape.accumulation > 1)
         floor = state_floor(recipe)
         budget = int(floor + share * (recipe.peak_bytes - floor))
@@ -83,7 +85,12 @@ def _truth_plan(overrides: list[str], share: float, offload: bool = True):
     (["recipe=sft", "data.batch_size=2", "data.seq_len=512"], 0.3),
     (["recipe=grade", "module.max_new_tokens=8"], 0.6),
     (["recipe=intuitor", "module.warm_start.steps=0", "module.max_new_tokens=6"], 0.6),
-], ids=["sft", "sft-every-2nd-block", "grade", "intuitor"])
+    # CRSP optimizes manually (no Lightning accumulation): the plan splits its role passes instead
+    # (module.generation.micro_batch_size); short rollouts and 4 sequences per role keep the traces to seconds
+    (["recipe=crsp", "module.warm_start.steps=0", "data.batch_size=2", "module.roles.num_solver_samples=2",
+      "module.roles.critiques_per_task=1", "module.generation.max_new_tokens.propose=16",
+      "module.generation.max_new_tokens.solve=8", "module.generation.max_new_tokens.critique=8"], 0.6),
+], ids=["sft", "sft-every-2nd-block", "grade", "intuitor", "crsp"])
 def test_plan_holds_and_is_tight_under_memory_budget(overrides: list[str], share: float, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     every_2nd = "data.seq_len=512" in overrides  # searched without FSDP2's offload, as the command plans for a CPU
@@ -93,6 +100,10 @@ def test_plan_holds_and_is_tight_under_memory_budget(overrides: list[str], share
     assert best.traced and tight.traced
     if every_2nd:
         assert best.candidate.checkpointing == 2 and "module.gradient_checkpointing=2" in plan_overrides(cfg, result, best)
+    if "recipe=crsp" in overrides:
+        planned = plan_overrides(cfg, result, best)
+        assert any(o.startswith("module.generation.micro_batch_size=") for o in planned), planned
+        assert not any("accumulate_grad_batches" in o or o.startswith("data.batch_size") for o in planned), planned
     capsys.readouterr()
     code = _main(["fit", *overrides, *FIT, *plan_overrides(cfg, result, best), f"memory_budget={budget}",
                   f"hydra.run.dir={tmp_path / 'fits'}"])

@@ -93,6 +93,11 @@ class RecipeShape:
     maths: tuple[str, ...] = ()
     replicated_bytes: int = 0  # frozen models' parameters kept whole on every rank under FSDP2 (per_rank_estimate)
     checkpoint_periods: tuple[int, ...] = ()
+    # The setting the micro-batch lever changes: None for the loader's batch with Lightning's gradient accumulation
+    # (``rows`` x ``accumulation``); a module key (CRSP's ``module.generation.micro_batch_size``) for a module that
+    # optimizes manually and runs its own micro-batches in one step: ``rows`` sequences per forward/backward,
+    # ``accumulation`` passes. "" : the step cannot be split (manual optimization without such a setting).
+    micro_batch_key: str | None = None
 
     @property
     def global_rows(self) -> int:
@@ -227,7 +232,7 @@ def search_plans(
     traces = _Traces(trace)
     recipe = shape.recipe
     g = shape.global_rows
-    sizes = divisors(g)
+    sizes = [g] if shape.micro_batch_key == "" else divisors(g)
     checkpointing = ([recipe.checkpointing] if shape.checkpointing is None
                      else sorted({recipe.checkpointing, True, *shape.checkpoint_periods}, key=recompute_share))
     if shape.world_size <= 1:
