@@ -228,7 +228,10 @@ class PlanTracer:
         if self.inner_key:
             # the module's own micro-batches: the recipe's batch, split by the module in one step (its gradients are
             # live across them as the trace shows, so no accumulating flag)
-            est = self.estimator(ckpt, rows)
+            from omegaconf import OmegaConf
+
+            # the recipe's own value is the estimator already built for it (a fake build is seconds at 7B)
+            est = self.estimator(ckpt, None if rows == OmegaConf.select(self.cfg, self.inner_key) else rows)
             est.accumulating = False
             est.cache.clear()
             return est.estimate(self.batch, None)
