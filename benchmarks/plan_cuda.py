@@ -124,7 +124,7 @@ def plan_budget(base: list[str], budget: str, count: int, steps: int, dry_run: b
         times = measured.get("step_seconds", [])[1:]  # the first step warms up kernels and the allocator
         oom = "OutOfMemoryError" in proc.stderr
         rows.append({
-            "plan": _describe(p), "overrides": overrides, "predicted_peak_bytes": p.peak_bytes, "traced": p.traced,
+            "plan": _describe(p, result.shape), "overrides": overrides, "predicted_peak_bytes": p.peak_bytes, "traced": p.traced,
             "predicted_s": p.seconds, "predicted_relative": p.relative_time, "returncode": proc.returncode, "oom": oom,
             "max_memory_reserved": measured.get("max_memory_reserved"),
             "measured_s": statistics.median(times) if times else None, "wall_s": time.perf_counter() - t0,

@@ -199,7 +199,7 @@ class PlanTracer:
         self.cfg = cfg
         self.cpu_target = cpu_target
         self.key = _checkpoint_key(cfg)
-        # set once the module turns out to optimize manually (micro_batch_key): then `rows` are its own micro-batch
+        # set by recipe_shape once the module turns out to optimize manually: then `rows` are its own micro-batch
         self.inner_key: str | None = None
         self.estimators: dict[tuple[bool | int, int | None], RecipeEstimator] = {}
         self.batch: Any = None
@@ -223,6 +223,17 @@ class PlanTracer:
                 self.batch = recipe_batch(est.run.datamodule)
             self.estimators[(ckpt, inner)] = est
         return self.estimators[(ckpt, inner)]
+
+    def recipe_shape(self, blocks: int, maths: Sequence[str] = ()) -> RecipeShape:
+        """The recipe's :class:`RecipeShape`, from its own estimator (built here): whether its module optimizes
+        manually sets what the micro-batch lever changes, and so what ``rows`` mean to this tracer from now on."""
+        cfg = self.cfg
+        est = self.estimator(bool((cfg.get("module") or {}).get(self.key))) if self.key else self.estimator(False)
+        module = est.run.module
+        shape = recipe_shape(cfg, self.batch, blocks, maths, replicated_parameter_bytes(module, blocks),
+                             manual=not getattr(module, "automatic_optimization", True))
+        self.inner_key = shape.micro_batch_key
+        return shape
 
     def __call__(self, ckpt: bool, rows: int, accumulating: bool) -> Any:
         if self.inner_key:
@@ -286,11 +297,7 @@ def compose_variant(cfg: Any, overrides: Sequence[str]) -> Any:
 def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any, cpu_target: bool) -> PlanResult:
     tracer = PlanTracer(cfg, cpu_target)
     try:
-        est = tracer.estimator(bool((cfg.get("module") or {}).get(tracer.key))) if tracer.key else tracer.estimator(False)
-        manual = not getattr(est.run.module, "automatic_optimization", True)
-        shape = recipe_shape(cfg, tracer.batch, blocks, maths, replicated_parameter_bytes(est.run.module, blocks), manual)
-        tracer.inner_key = shape.micro_batch_key
-        return search_plans(tracer, shape, opts["gpu_bytes"], device=device, margin=opts["margin"],
+        return search_plans(tracer, tracer.recipe_shape(blocks, maths), opts["gpu_bytes"], device=device, margin=opts["margin"],
                             use_reserved=not cpu_target, offload=not cpu_target)
     finally:
         tracer.close()
@@ -327,12 +334,12 @@ def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Predict
     return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in [*kept, *overrides, *extra])])
 
 
-def _describe(p: Prediction, shape: RecipeShape | None = None) -> str:
+def _describe(p: Prediction, shape: RecipeShape) -> str:
     c = p.candidate
     ck = c.checkpointing
     checkpointing = ("no checkpointing" if not ck else "checkpointing" if ck is True
                      else f"checkpointing every {_ordinal(int(ck))} block")
-    batch = (f"micro-batch {c.micro_batch} × {c.accumulation}" if shape is None or not shape.micro_batch_key
+    batch = (f"micro-batch {c.micro_batch} × {c.accumulation}" if not shape.micro_batch_key
              else f"{c.micro_batch} sequence{'' if c.micro_batch == 1 else 's'} per pass")  # the module's own micro-batches (CRSP)
     parts = [batch, checkpointing]
     if c.strategy != "single":

@@ -13,7 +13,7 @@ import pytest
 
 from lit_memopt import cli
 from lit_memopt.cli_estimate import estimate_recipe
-from lit_memopt.cli_plan import PlanTracer, plan_overrides, plan_recipe, recipe_shape
+from lit_memopt.cli_plan import PlanTracer, plan_overrides, plan_recipe
 from lit_memopt.memory.plan import state_floor, search_plans
 from lit_memopt.memory.plan_time import DEVICES
 
@@ -66,10 +66,8 @@ def _truth_plan(overrides: list[str], share: float, offload: bool = True):
         return memo[key]
 
     try:
-        module = tracer.estimator(False).run.module
-        # a module that optimizes manually (CRSP) splits its step itself: its micro-batch lever is its own setting
-        shape = recipe_shape(cfg, tracer.batch, 4, manual=not module.automatic_optimization)
-        tracer.inner_key = shape.micro_batch_key
+        # as `plan` does: a module that optimizes manually (CRSP) splits its step by its own setting
+        shape = tracer.recipe_shape(4)
         recipe = trace(False, shape.rows, shape.accumulation > 1)
         floor = state_floor(recipe)
         budget = int(floor + share * (recipe.peak_bytes - floor))
