@@ -151,6 +151,59 @@ def test_cross_entropy_gradients_equal_naive_and_backward_multiplies_nothing(opt
         assert products == 0
 
 
+class CountExponentials(TorchDispatchMode):
+    """Sums the elements that ``exp``/``exp2`` ops (in place or not) run over while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("exp", "exp_", "exp2", "exp2_"):
+            self.elements += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", [
+    dict(label_smoothing=0.1, z_loss=1e-2, temperature=1.4, logit_scale=0.8),
+    dict(final_logit_softcapping=2.0), dict(frozen=True), dict(frozen=True, entropy=True)])
+def test_the_held_block_takes_one_exponential_per_logit_and_equals_the_two_exponential_pass(case, monkeypatch):
+    """Where nothing needs the logits after the softmax, the block is overwritten by its softmax numerators; where
+    something does (softcap, entropy), the two-exponential pass runs. Both give the naive float64 gradients."""
+    case = dict(case)
+    frozen, entropy = case.pop("frozen", False), case.pop("entropy", False)
+    hidden, weight, bias, targets, mask = make(seed=12, bias=not frozen, frozen=frozen)
+    targets[2, 0] = -100
+    decisions = []
+    real = _forward_grads.holds_probabilities
+    monkeypatch.setattr(_forward_grads, "holds_probabilities", lambda spec, sets: decisions.append(real(spec, sets)) or decisions[-1])
+
+    def run():
+        if entropy:
+            out = linear_logprobs_and_entropy(hidden, weight, targets, mask=mask, chunk_size=(4, 5), **case)
+            loss = (out[0] * 0.3 + out[1] * 0.7).sum()
+        elif frozen:
+            loss = (linear_logprobs(hidden, weight, targets, mask=mask, chunk_size=(4, 5), **case) * 0.3).sum()
+        else:
+            loss = linear_cross_entropy(hidden, weight, targets, bias=bias, mask=mask, chunk_size=(4, 5), **case)
+        return loss, torch.autograd.grad(loss, [t for t in (hidden, weight, bias) if t is not None and t.requires_grad])
+
+    with CountExponentials() as counter:
+        loss, grads = run()
+    held = not entropy and "final_logit_softcapping" not in case
+    assert decisions == [held]
+    counted = int((mask & (targets != -100)).sum())
+    if held:  # exactly one exponential per logit of the counted rows (plus a few per row: the log of the sums)
+        assert counted * V <= counter.elements < counted * (V + 4)
+    else:
+        assert counter.elements >= 2 * counted * V
+    monkeypatch.setattr(_forward_grads, "holds_probabilities", lambda spec, sets: False)
+    other_loss, other_grads = run()
+    torch.testing.assert_close(loss, other_loss, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, other_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_cross_entropy_with_a_frozen_head_and_without_gradients():
     hidden, weight, _, targets, _ = make(seed=2, frozen=True)
     loss = linear_cross_entropy(hidden, weight, targets, label_smoothing=0.1, chunk_size=(4, 5))

@@ -16,7 +16,11 @@ weight gradient (``_head_passes.py``). Two common cases need fewer, and this pas
 Both need each row's whole softmax before any gradient, so the pass walks the rows in blocks and holds one
 block's logits over the whole vocabulary (``[block rows, V]`` in the statistics dtype; Liger's chunked losses do
 the same). The per-tile maths are the pure functions of ``_fused_tiles.py`` that the other passes use
-(``fold_tile``, ``tile_logit_gradient``): compiled on CUDA, eager elsewhere; nothing here restates them.
+(``fold_tile``, ``tile_logit_gradient``): compiled on CUDA, eager elsewhere; nothing here restates them. Where
+nothing needs the logits after the softmax (:func:`holds_probabilities`), the eager pass overwrites the held
+block with its softmax numerators and builds the gradient from them in place (``softmax_numerators_``,
+``numerator_gradient_``): one exponential per logit instead of two, no tile temporaries. On one CPU thread that
+took the float32 SFT loss at 2048 x 512 x 32000 from 3.5 s to 2.8 s, against 2.9 s for its three bare products.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from lit_memopt.ops._fused_tiles import (
     _tile_logit_gradient,
     finish_rows,
     fold_tile,
+    numerator_gradient_,
     row_outputs,
+    softmax_numerators_,
     start_rows,
     tile_logit_gradient,
 )
@@ -71,6 +77,18 @@ def product_count(outputs: frozenset, *, frozen: bool, need_h: bool = True, need
     return 1 + int(need_h) + int(need_w)
 
 
+def holds_probabilities(spec: _HeadSpec, sets: int) -> bool:
+    """Whether a block's logits may be overwritten by their softmax numerators (:func:`softmax_numerators_`):
+    one exponential per logit instead of two, no tile temporaries.
+
+    Where the tile maths run eagerly (the compiled tiles fuse their exponentials already), and where nothing
+    needs ``z`` after the softmax: no softcap (its chain rule reads ``z``), no entropy (``p (mu - z)``), and one
+    coefficient set (several would each need the numerators). That is cross-entropy with any label smoothing and
+    z-loss, the policy losses, and a frozen head's log-probs.
+    """
+    return not spec.fused and spec.transform.softcap is None and not spec.wants("entropy") and sets == 1
+
+
 def forward_gradient_pass(spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                           targets: Optional[Tensor], keep: Optional[Tensor], coefficients: Coefficients, *,
                           sets: int, need_h: bool, need_w: bool, need_b: bool
@@ -89,37 +107,54 @@ def forward_gradient_pass(spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias:
     stat, device, transform = math_.stat_dtype, hidden.device, spec.transform
     # The one choice of how the tile maths run (compiled or eager) is the spec's, as in the other passes.
     fold, gradient = (fold_tile, tile_logit_gradient) if spec.fused else (_fold_tile, _tile_logit_gradient)
+    held = holds_probabilities(spec, sets)
     stat_bias = None if bias is None else bias.to(stat)
     rb, vt = spec.row_tile, spec.vocab_tile
     values = not is_fake(hidden)
+    tiles = [(v0, min(v0 + vt, vocab)) for v0 in tile_starts(0, vocab, vt, values=values)]
     outputs = {name: hidden.new_zeros(n, dtype=stat) for name in OUTPUTS if spec.wants(name)}
     products = [torch.empty((n, size), dtype=hidden.dtype, device=device) for _ in range(sets)] if need_h else []
-    # Contiguous, whatever the parameter's strides, so that vocabulary tiles are row slices of it.
-    grad_w = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if need_w else None
+    # Contiguous, whatever the parameter's strides, so that vocabulary tiles are row slices of it. The first
+    # block's products overwrite it (no fill) where every column is written; zeros where none may be.
+    grad_w = None
+    if need_w:
+        grad_w = (torch.empty if held and n else torch.zeros)(weight.shape, dtype=weight.dtype, device=device)
     grad_b = torch.zeros(vocab, dtype=stat, device=device) if need_b else None
     for r0 in tile_starts(0, n, rb, values=values):
         r1 = min(r0 + rb, n)
         rows = r1 - r0
         h = _row_tile(math_, "h", hidden, keep, r0, r1)
         z = math_.ws.get("z_block", rows, vocab, min(rb, n) * vocab, stat)
-        state = start_rows(rows, stat, device, entropy=spec.wants("entropy"),
-                           self_certainty=spec.wants("self_certainty"), logprobs=False, kl=False)
-        for v0 in tile_starts(0, vocab, vt, values=values):
-            v1 = min(v0 + vt, vocab)
-            tile = math_.logits("z", h, math_.operand("w", weight[v0:v1], vt), stat_bias, v0, v1, out=z[:, v0:v1])
-            state = fold(tile, None, *state[:4], None, None, v0, None, None, None)
-        stats = finish_rows(*state, vocab)
+        for v0, v1 in tiles:
+            math_.logits("z", h, math_.operand("w", weight[v0:v1], vt), stat_bias, v0, v1, out=z[:, v0:v1])
         block_targets = None if targets is None else targets[r0:r1]
+        # The held block makes the target logit one gather.
+        target_z = None if block_targets is None else z.gather(1, block_targets.unsqueeze(1)).squeeze(1)
+        if held:
+            sum_z = z.sum(1) if spec.wants("self_certainty") else None
+            row_max, sums = softmax_numerators_(z, tiles)  # z now holds exp(z - max)
+            stats = finish_rows(row_max, sums, None, sum_z, target_z, None, None, None, vocab)
+        else:
+            state = start_rows(rows, stat, device, entropy=spec.wants("entropy"),
+                               self_certainty=spec.wants("self_certainty"), logprobs=False, kl=False)
+            for v0, v1 in tiles:
+                state = fold(z[:, v0:v1], None, *state[:4], None, None, v0, None, None, None)
+            stats = finish_rows(*state, vocab)
+            if target_z is not None:
+                stats["target_z"] = target_z
         lse = stats["lse"]
-        if block_targets is not None:  # the held block makes the target logit one gather
-            stats["target_z"] = z.gather(1, block_targets.unsqueeze(1)).squeeze(1)
         block = row_outputs(stats, outputs)
         for name, out in outputs.items():
             out[r0:r1] = block[name]
         coeff_sets = coefficients(r0, r1, block)
-        accs = [math_.ws.get(f"gh{k}", rows, size, min(rb, n) * size, stat).zero_() for k in range(sets)] if need_h else []
-        for v0 in tile_starts(0, vocab, vt, values=values):
-            v1 = min(v0 + vt, vocab)
+        # Each accumulator is overwritten by its first vocabulary tile's product: no fill.
+        accs = [math_.ws.get(f"gh{k}", rows, size, min(rb, n) * size, stat) for k in range(sets)] if need_h else []
+        if held:
+            (c,) = coeff_sets
+            # p * alpha - uniform over the numerators e = p * sum, chained to raw once per row, not per logit.
+            row_scale = transform.chain_((c.alpha / sums).unsqueeze(1), None, None)
+            row_shift = None if c.uniform is None else transform.chain_(c.uniform.unsqueeze(1).clone(), None, None)
+        for v0, v1 in tiles:
             w = math_.operand("w", weight[v0:v1], vt)
             for k, c in enumerate(coeff_sets):
                 weight_set = k == 0 and (need_w or need_b)
@@ -127,17 +162,25 @@ def forward_gradient_pass(spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias:
                     continue
                 # The target's one-hot term is left out of the tile (it would cost three passes over it to find
                 # one column per row) and added below, from the target's logit and row of W.
-                operand, column_sums = gradient(
-                    z[:, v0:v1], None, lse, stats.get("mu") if c.g_ent is not None else None, None, c.alpha, c.g_ent,
-                    None, c.uniform, None, None, v0,
-                    transform.softcap, transform.linear_scale, transform.inv_temperature, math_.matmul_dtype,
-                    need_b and k == 0)
+                if held:
+                    grad_raw = numerator_gradient_(z[:, v0:v1], row_scale, row_shift)
+                    operand = math_.grad_operand(grad_raw)
+                    column_sums = grad_raw.sum(0) if need_b else None
+                else:
+                    operand, column_sums = gradient(
+                        z[:, v0:v1], None, lse, stats.get("mu") if c.g_ent is not None else None, None, c.alpha,
+                        c.g_ent, None, c.uniform, None, None, v0,
+                        transform.softcap, transform.linear_scale, transform.inv_temperature, math_.matmul_dtype,
+                        need_b and k == 0)
                 if need_h:
-                    math_.accumulate("gh_p", accs[k], operand, w, overwrite=False)
+                    math_.accumulate("gh_p", accs[k], operand, w, overwrite=v0 == 0)
                 if need_w and k == 0:
+                    first = held and r0 == 0
                     if grad_w.dtype == stat:
-                        math_.accumulate("gw_p", grad_w[v0:v1], operand.t(), h, overwrite=False)
-                    else:  # a bf16/fp16 weight: each block's product is rounded once into it, as micro-batches would
+                        math_.accumulate("gw_p", grad_w[v0:v1], operand.t(), h, overwrite=first)
+                    elif first:  # a bf16/fp16 weight: each block's product is rounded once into it, as micro-batches would
+                        grad_w[v0:v1].copy_(torch.mm(operand.t(), h))
+                    else:
                         grad_w[v0:v1] += torch.mm(operand.t(), h)
                 if need_b and k == 0:
                     grad_b[v0:v1] += column_sums
@@ -145,7 +188,7 @@ def forward_gradient_pass(spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias:
             if c.g_lp is None:
                 continue
             # d logprob / d raw at the target: g_lp times dz/draw there (the same chain rule as every tile's).
-            at_target = transform.chain_(c.g_lp.unsqueeze(1).clone(), z.gather(1, block_targets.unsqueeze(1)), None)
+            at_target = transform.chain_(c.g_lp.unsqueeze(1).clone(), target_z.unsqueeze(1), None)
             if need_h:
                 accs[k].add_(weight.index_select(0, block_targets).to(stat).mul_(at_target))
             if need_w and k == 0:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -153,6 +153,31 @@ def finish_rows(run_max: Tensor, run_sum: Tensor, sum_ez: Optional[Tensor], sum_
         stats["ref_lse"] = ref_max + torch.log(ref_sum)
         stats["mu_d"] = sum_ed / run_sum
     return stats
+
+
+def softmax_numerators_(block: Tensor, tiles: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """Overwrite a held block of logits ``z`` (``[rows, V]``, every column) with ``e = exp(z - max_v z)``, tile
+    by tile, and return ``(row max, row sums of e)``: ``lse = max + log(sum)`` and ``p = e / sum``.
+
+    One exponential per logit, where a pass that cannot hold the row (:func:`_fold_tile`'s running softmax,
+    then :func:`_tile_logit_gradient`'s ``p``) takes two. ``tiles`` are the ``(v0, v1)`` column ranges that
+    cover the block, cache-sized so each is read and written once while it is in cache.
+    """
+    row_max = block.amax(1)
+    sums = torch.zeros_like(row_max)
+    shift = row_max.unsqueeze(1)
+    for v0, v1 in tiles:
+        sums += block[:, v0:v1].sub_(shift).exp_().sum(1)
+    return row_max, sums
+
+
+def numerator_gradient_(numerators: Tensor, row_scale: Tensor, row_shift: Optional[Tensor]) -> Tensor:
+    """``d out / d raw`` in place over a tile of :func:`softmax_numerators_`, for outputs whose logit gradient
+    is ``alpha p - uniform`` (log-prob without its one-hot term, self-certainty, logsumexp: no softcap, no
+    entropy, whose gradients need ``z`` itself). ``row_scale`` is ``alpha / sum`` and ``row_shift``
+    ``uniform``, both ``[rows, 1]`` and already through :func:`chain_to_raw`."""
+    numerators.mul_(row_scale)
+    return numerators if row_shift is None else numerators.sub_(row_shift)
 
 
 def _fold_tile(z: Tensor, ref_z: Optional[Tensor], run_max: Tensor, run_sum: Tensor, sum_ez: Optional[Tensor],
