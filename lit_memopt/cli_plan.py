@@ -58,13 +58,6 @@ CHECKPOINT_KEYS = ("gradient_checkpointing", "checkpoint_steps")
 # The switches that also take k >= 2, every k-th decoder block (transformers' every_n_layers), and the k searched.
 PERIODIC_CHECKPOINT_KEYS = ("gradient_checkpointing",)
 CHECKPOINT_PERIODS = (2,)
-# Modules that optimize manually (CRSP) run their own micro-batches inside one step, and Lightning refuses its
-# gradient accumulation there: their micro-batch lever is the module's setting, here with the sequences of the step's
-# largest role pass (the value that makes that pass one micro-batch).
-INNER_MICRO_BATCH: dict[str, Any] = {
-    "module.generation.micro_batch_size": lambda cfg: int(cfg.data.batch_size) * max(
-        1, int(cfg.module.roles.num_solver_samples), int(cfg.module.roles.critiques_per_task)),
-}
 # Command-line keys that configure the plan itself, not the run it plans.
 _PLAN_ONLY = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -134,27 +127,27 @@ def _positive(value: Any, key: str) -> int:
     return int(value)
 
 
-def micro_batch_key(cfg: Any, manual: bool) -> str | None:
+def micro_batch_key(module: Any) -> str | None:
     """What the micro-batch lever changes (``RecipeShape.micro_batch_key``): ``None``, the loader's batch with
-    Lightning's accumulation; for a module that optimizes manually (``manual``) its own setting of
-    :data:`INNER_MICRO_BATCH`, or ``""`` where it has none (the step is not split)."""
-    from omegaconf import OmegaConf
-
-    if not manual:
+    Lightning's accumulation; for a module that optimizes manually (CRSP), whose step Lightning cannot split, its
+    own setting (``module.`` + its ``micro_batch_setting``), or ``""`` where it has none (the step is not split)."""
+    if module is None or getattr(module, "automatic_optimization", True):
         return None
-    return next((k for k in INNER_MICRO_BATCH if OmegaConf.select(cfg, k, default=None) is not None), "")
+    setting = getattr(module, "micro_batch_setting", None)
+    return f"module.{setting}" if setting else ""
 
 
 def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), replicated: int = 0,
-                 manual: bool = False) -> RecipeShape:
-    """The recipe as given on the command line, for the search; ``manual``: its module optimizes manually."""
+                 built: Any = None) -> RecipeShape:
+    """The recipe as given on the command line, for the search; ``built``: the recipe's LightningModule (whether
+    it optimizes manually, and how it splits its own step, see :func:`micro_batch_key`)."""
     from omegaconf import OmegaConf
 
     data = cfg.get("data") or {}
     rows = _positive(data.get("batch_size"), "data.batch_size")
     accumulation = _positive(cfg.trainer.get("accumulate_grad_batches", 1), "trainer.accumulate_grad_batches")
-    inner = micro_batch_key(cfg, manual)
-    if manual and accumulation > 1:
+    inner = micro_batch_key(built)
+    if inner is not None and accumulation > 1:
         raise ValueError(f"plan: {cfg.module.get('_target_')} optimizes manually, and Lightning refuses "
                          f"trainer.accumulate_grad_batches={accumulation} there; drop it"
                          + (f" (the module splits its own step: {inner})" if inner else ""))
@@ -166,10 +159,12 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
     _, seq = batch_geometry(batch)
     # generation recipes run each row's prompt and its new tokens, and GRPO-style ones sample a group per prompt
     tokens = float((seq or 1) + int(module.get("max_new_tokens") or 0)) * int(module.get("num_samples") or 1)
+    step_sequences = 0
     if inner:
         # rows become the module's sequences per forward/backward, and accumulation its passes over the largest role
         value = _positive(OmegaConf.select(cfg, inner), inner)
-        rows, accumulation = value, -(-INNER_MICRO_BATCH[inner](cfg) // value)
+        step_sequences = int(built.largest_pass_sequences(rows))
+        rows, accumulation = value, -(-step_sequences // value)
         new_tokens = OmegaConf.select(cfg, "module.generation.max_new_tokens", default=None)
         if OmegaConf.is_dict(new_tokens):  # one cap per role: a sequence is at most the longest
             tokens = float((seq or 1) + max(int(v) for v in new_tokens.values()))
@@ -187,6 +182,7 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
         strategy=strategy, world_size=world, nodes=int(cfg.trainer.get("num_nodes") or 1), blocks=blocks,
         tokens_per_row=tokens, dtype_bytes=DTYPE_BYTES.get(str(cfg.model.get("dtype", "float32")), 4),
         offload=offload, maths=tuple(maths), replicated_bytes=int(replicated), micro_batch_key=inner,
+        step_sequences=step_sequences,
     )
 
 
@@ -230,8 +226,7 @@ class PlanTracer:
         cfg = self.cfg
         est = self.estimator(bool((cfg.get("module") or {}).get(self.key))) if self.key else self.estimator(False)
         module = est.run.module
-        shape = recipe_shape(cfg, self.batch, blocks, maths, replicated_parameter_bytes(module, blocks),
-                             manual=not getattr(module, "automatic_optimization", True))
+        shape = recipe_shape(cfg, self.batch, blocks, maths, replicated_parameter_bytes(module, blocks), built=module)
         self.inner_key = shape.micro_batch_key
         return shape
 
@@ -368,7 +363,7 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
           f"{result.device.name}; " + (
               f"global batch {shape.global_rows * shape.world_size} rows ({shape.global_rows} per rank and step)"
               if not shape.micro_batch_key else
-              f"the module splits its step itself: the largest role's {INNER_MICRO_BATCH[shape.micro_batch_key](cfg)} "
+              f"the module splits its step itself: the largest role's {shape.step_sequences} "
               f"sequences per rank in "
               f"passes of {shape.micro_batch_key}"), file=out)
     rec = result.recipe

@@ -115,20 +115,27 @@ def test_the_checkpoint_switch_is_read_as_the_module_reads_it(value: str, expect
 
 def test_a_manually_optimized_module_splits_its_own_step() -> None:
     """CRSP optimizes manually: Lightning refuses gradient accumulation there, so the micro-batch lever is the
-    module's sequences per forward/backward, over its largest role (4 tasks x 4 solver answers here)."""
+    module's own setting, sequences per forward/backward, over its largest role (4 tasks x 4 solver answers here).
+    The module says both (``micro_batch_setting``, ``largest_pass_sequences``); the planner knows no CRSP key."""
     import torch
+    from test_crsp import _module
 
     from lit_memopt.cli_plan import micro_batch_key, recipe_shape
 
-    crsp = cli.compose_config(["recipe=crsp"])
+    crsp_module = _module(roles={"num_solver_samples": 4, "critiques_per_task": 3})
+    assert crsp_module.largest_pass_sequences(4) == 16
+    crsp = cli.compose_config(["recipe=crsp", "module.generation.micro_batch_size=4"])
     batch = {"input_ids": torch.zeros(4, 16, dtype=torch.long)}
-    assert micro_batch_key(crsp, manual=False) is None
-    assert micro_batch_key(crsp, manual=True) == "module.generation.micro_batch_size"
-    assert micro_batch_key(cli.compose_config(["recipe=sft"]), manual=True) == ""  # manual, and nothing to split
-    shape = recipe_shape(crsp, batch, blocks=4, manual=True)
-    assert (shape.rows, shape.accumulation, shape.micro_batch_key) == (4, 4, "module.generation.micro_batch_size")
+    assert micro_batch_key(None) is None
+    assert micro_batch_key(crsp_module) == "module.generation.micro_batch_size"
+    assert micro_batch_key(torch.nn.Module()) is None  # Lightning's accumulation splits the step
+    unsplittable = type("Manual", (), {"automatic_optimization": False})()
+    assert micro_batch_key(unsplittable) == ""  # manual, and nothing to split
+    shape = recipe_shape(crsp, batch, blocks=4, built=crsp_module)
+    assert (shape.rows, shape.accumulation, shape.micro_batch_key, shape.step_sequences) == (
+        4, 4, "module.generation.micro_batch_size", 16)
     # a value that does not divide the sequences: its passes are rounded up, and the recipe stays a candidate
-    odd = recipe_shape(cli.compose_config(["recipe=crsp", "module.generation.micro_batch_size=3"]), batch, 4, manual=True)
+    odd = recipe_shape(cli.compose_config(["recipe=crsp", "module.generation.micro_batch_size=3"]), batch, 4, built=crsp_module)
     assert (odd.rows, odd.accumulation) == (3, 6)
     with pytest.raises(ValueError, match="optimizes manually.*accumulate_grad_batches=2"):
-        recipe_shape(cli.compose_config(["recipe=crsp", "trainer.accumulate_grad_batches=2"]), batch, 4, manual=True)
+        recipe_shape(cli.compose_config(["recipe=crsp", "trainer.accumulate_grad_batches=2"]), batch, 4, built=crsp_module)

@@ -98,6 +98,9 @@ class RecipeShape:
     # optimizes manually and runs its own micro-batches in one step: ``rows`` sequences per forward/backward,
     # ``accumulation`` passes. "" : the step cannot be split (manual optimization without such a setting).
     micro_batch_key: str | None = None
+    # With a module's own micro-batches: the sequences of the step's largest pass, which ``accumulation`` passes of
+    # ``rows`` cover (0 otherwise).
+    step_sequences: int = 0
 
     @property
     def global_rows(self) -> int:

@@ -167,6 +167,10 @@ class CRSPModule(pl.LightningModule):
                     "val/solve_rate_stderr", "val/solve_rate_greedy", "val/solve_rate_greedy_stderr",
                     "val/proposal_valid_rate")
 
+    # Where a run sets this module's own micro-batches (under ``module.``): it optimizes manually, so Lightning's
+    # gradient accumulation cannot split its step, and ``lit-memopt plan`` searches this setting instead.
+    micro_batch_setting = "generation.micro_batch_size"
+
     def __init__(
         self,
         model_config: Any,
@@ -218,6 +222,12 @@ class CRSPModule(pl.LightningModule):
         self.sandbox: Sandbox | None = None
         self.val_solve_rate = MeanAndStderr()  # over held-out tasks, whose sampled answers are not independent
         self.val_solve_rate_greedy = MeanAndStderr()
+
+    def largest_pass_sequences(self, tasks: int) -> int:
+        """Sequences in the step's largest role pass for a batch of ``tasks`` seed tasks (one proposal each,
+        ``roles.num_solver_samples`` answers, ``roles.critiques_per_task`` critiques): the value of
+        :attr:`micro_batch_setting` that makes every pass one micro-batch."""
+        return tasks * max(1, self.roles.num_solver_samples, self.roles.critiques_per_task)
 
     # ------------------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
