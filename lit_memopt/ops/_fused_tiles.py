@@ -19,7 +19,9 @@ already bound by its exponentials).
 
 The tiled pass's eager tiles on the CPU still run their own in-place forms of :func:`fold_tile` and
 :func:`tile_logit_gradient` (``_head_passes._RunningSoftmax.update`` and ``_logit_gradient_``: tile buffers
-reused, ``exp2`` for ``exp``), for speed; the tests run both on the same tiles against float64 references.
+reused, ``exp2`` for ``exp``), for speed; the tests run both on the same tiles against float64 references. Where the
+gradient-in-forward pass holds a block's whole rows and nothing needs the logits after the softmax, it runs the
+in-place forms defined here (:func:`softmax_numerators_`, :func:`numerator_gradient_`): one exponential per logit.
 """
 
 from __future__ import annotations
