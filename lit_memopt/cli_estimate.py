@@ -228,6 +228,17 @@ def build_fake_run(cfg: Any, blocks: int | None, callbacks: list[Any] | None = N
     return run
 
 
+def build_measured_module(cfg: Any) -> Any:
+    """The recipe's module with real weights, as ``fit`` runs it: its ``ActivationCheckpointing`` callbacks applied
+    as their ``setup`` would (offload included), so that a CUDA measurement runs the step the estimate traced."""
+    from lit_memopt.cli import instantiate_run
+
+    module = instantiate_run(step_config(cfg)).module
+    for callback in activation_checkpointing_callbacks(cfg):
+        callback.apply(module)
+    return module
+
+
 # ============================================================================ estimating
 def data_parallel_plan(cfg: Any) -> tuple[str, int] | None:
     """``(strategy, world size)`` for a per-rank estimate, or ``None`` on one device.
@@ -419,9 +430,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         device = torch.cuda.get_device_name()
         free, _ = torch.cuda.mem_get_info()
         if estimate.peak_bytes < free:
-            from lit_memopt.cli import instantiate_run
-
-            measured = measure_on_cuda(lambda: instantiate_run(step_config(cfg)).module, batch, None)
+            measured = measure_on_cuda(lambda: build_measured_module(cfg), batch, None)
     model = estimator.run.model_config
     return EstimateReport(
         recipe=str(cfg.get("recipe_name") or "?"),

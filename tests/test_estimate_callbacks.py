@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lit_memopt.cli import compose_config
-from lit_memopt.cli_estimate import activation_checkpointing_callbacks, checkpoint_period_of, estimate_recipe
+from lit_memopt.cli_estimate import activation_checkpointing_callbacks, build_measured_module, checkpoint_period_of, estimate_recipe
 
 BASE = ["recipe=sft", "model.arch.num_hidden_layers=12", "check_linearity=false"]
 CALLBACK = "callbacks=[default,activation_checkpointing]"
@@ -40,3 +40,16 @@ def test_the_period_and_the_offload_note_come_from_the_callback() -> None:
 def test_activation_offload_is_said_to_be_counted_on_the_device() -> None:
     report = estimate_recipe(compose_config([*BASE, CALLBACK, "callbacks.activation_checkpointing.offload_to_cpu=true"]))
     assert any("offload_to_cpu=true" in n and "not modelled" in n for n in report.notes)
+
+
+def test_the_measured_module_is_checkpointed_as_the_traced_one() -> None:
+    """``estimate`` on a GPU measures the real step beside its trace: the callback's layers are wrapped there too."""
+    from lit_memopt._compat.distributed import ActivationWrapper
+
+    def wrapped(*overrides: str) -> int:
+        module = build_measured_module(compose_config([*BASE, *overrides]))
+        return sum(isinstance(m, ActivationWrapper) for m in module.modules())
+
+    assert wrapped() == 0
+    assert wrapped(CALLBACK) == 12
+    assert wrapped(CALLBACK, "callbacks.activation_checkpointing.every_k_layers=3") == 4
