@@ -224,3 +224,18 @@ def test_a_step_that_cannot_be_split_keeps_its_batch() -> None:
         assert all(p.candidate.accumulation == 1 for p in result.predictions)
     # the same budget with the lever open splits the batch (the test above would pass vacuously otherwise)
     assert _plan(int(2.0 * 2**30)).best.candidate.micro_batch < SHAPE.rows
+
+
+def test_a_module_splitting_its_own_step_is_planned_over_its_sequences() -> None:
+    """CRSP's own micro-batches: 16 sequences in the step's largest pass, given as 3 per pass (6 passes, the last
+    short). The plans try the divisors of 16 and the recipe's 3, each with the passes that cover 16; none runs more
+    sequences per pass than the step has."""
+    shape = dataclasses.replace(SHAPE, rows=3, accumulation=6, micro_batch_key="module.generation.micro_batch_size",
+                                step_sequences=16)
+    for gib in (2.0, 2.3, 3.0, 80.0):
+        result = _plan(int(gib * 2**30), shape=shape)
+        sizes = {(p.candidate.micro_batch, p.candidate.accumulation) for p in result.predictions}
+        assert sizes <= {(1, 16), (2, 8), (3, 6), (4, 4), (8, 2), (16, 1)}, (gib, sizes)
+    assert _plan(80 * 2**30, shape=shape).best.candidate == shape.recipe  # room to spare: the recipe as given
+    assert {(p.candidate.micro_batch, p.candidate.accumulation)
+            for p in _plan(int(2.0 * 2**30), shape=shape).predictions} - {(3, 6)}  # smaller budgets: other sizes

@@ -236,6 +236,12 @@ def search_plans(
     recipe = shape.recipe
     g = shape.global_rows
     sizes = [g] if shape.micro_batch_key == "" else divisors(g)
+    passes = lambda m: g // m  # noqa: E731
+    if shape.micro_batch_key and shape.step_sequences:
+        # The module's own passes over its step's sequences (CRSP): every size that divides them, and the recipe's own
+        # value whether or not it does (its last pass is then short), never more sequences than the step has.
+        sizes = sorted(set(divisors(shape.step_sequences)) | {recipe.micro_batch})
+        passes = lambda m: -(-shape.step_sequences // m)  # noqa: E731
     checkpointing = ([recipe.checkpointing] if shape.checkpointing is None
                      else sorted({recipe.checkpointing, True, *shape.checkpoint_periods}, key=recompute_share))
     if shape.world_size <= 1:
@@ -245,7 +251,7 @@ def search_plans(
     if offload and ("fsdp2", True) not in strategies:
         strategies.append(("fsdp2", True))  # FSDP2 over the same devices (one included), state in host memory
     strategies = sorted(set(strategies))
-    candidates = sorted(Candidate(m, g // m, ck, st, off, shape.maths) for m in sizes for ck in checkpointing
+    candidates = sorted(Candidate(m, passes(m), ck, st, off, shape.maths) for m in sizes for ck in checkpointing
                         for st, off in strategies)
     # The recipe's own parameter counts (for the time model), from its trace.
     base = traces.get(recipe.checkpointing, g, False) if recipe.accumulation == 1 else traces.get(recipe.checkpointing, recipe.micro_batch, True)
@@ -307,7 +313,7 @@ def search_plans(
             probe(ck)
         candidates = sorted(set(faster) | {c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)})
     else:
-        smallest = Candidate(sizes[0], g // sizes[0], max(checkpointing, key=recompute_share), recipe.strategy,
+        smallest = Candidate(sizes[0], passes(sizes[0]), max(checkpointing, key=recompute_share), recipe.strategy,
                              recipe.offload, shape.maths)
         if all(predict(dataclasses.replace(smallest, strategy=s, offload=o), exact=True).peak_bytes > usable for s, o in strategies):
             candidates = [dataclasses.replace(smallest, strategy=s, offload=o) for s, o in strategies] + [
