@@ -137,6 +137,18 @@ def micro_batch_key(module: Any) -> str | None:
     return f"module.{setting}" if setting else ""
 
 
+def recipe_checkpointing(cfg: Any) -> bool | int | None:
+    """The recipe's checkpointing setting as the search keys it: ``None`` where the module has no switch, else off
+    (``False``), every block (``True``) or every k-th (``k``), read as the module reads the switch (a bad value is one
+    line)."""
+    key = _checkpoint_key(cfg)
+    module = cfg.get("module") or {}
+    if key in PERIODIC_CHECKPOINT_KEYS:
+        period = checkpoint_period(module.get(key) or False, f"module.{key}")
+        return period if period >= 2 else bool(period)
+    return None if key is None else bool(module.get(key))
+
+
 def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), replicated: int = 0,
                  built: Any = None) -> RecipeShape:
     """The recipe as given on the command line, for the search; ``built``: the recipe's LightningModule (whether
@@ -168,13 +180,7 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
         new_tokens = OmegaConf.select(cfg, "module.generation.max_new_tokens", default=None)
         if OmegaConf.is_dict(new_tokens):  # one cap per role: a sequence is at most the longest
             tokens = float((seq or 1) + max(int(v) for v in new_tokens.values()))
-    checkpointing: bool | int | None = None
-    if key in PERIODIC_CHECKPOINT_KEYS:
-        # the module's own reading of the switch: off, every block, or every k-th (a bad value is one line)
-        period = checkpoint_period(module.get(key) or False, f"module.{key}")
-        checkpointing = period if period >= 2 else bool(period)
-    elif key is not None:
-        checkpointing = bool(module.get(key))
+    checkpointing = recipe_checkpointing(cfg)
     # every k-th block: the blocks must come in whole groups of k (the estimator traces them so)
     periods = tuple(k for k in CHECKPOINT_PERIODS if blocks % k == 0 and blocks > k) if key in PERIODIC_CHECKPOINT_KEYS else ()
     return RecipeShape(
@@ -224,7 +230,9 @@ class PlanTracer:
         """The recipe's :class:`RecipeShape`, from its own estimator (built here): whether its module optimizes
         manually sets what the micro-batch lever changes, and so what ``rows`` mean to this tracer from now on."""
         cfg = self.cfg
-        est = self.estimator(bool((cfg.get("module") or {}).get(self.key))) if self.key else self.estimator(False)
+        # the recipe's own setting: its estimator is the one the search traces the recipe with
+        setting = recipe_checkpointing(cfg)
+        est = self.estimator(False if setting is None else setting)
         module = est.run.module
         shape = recipe_shape(cfg, self.batch, blocks, maths, replicated_parameter_bytes(module, blocks), built=module)
         self.inner_key = shape.micro_batch_key

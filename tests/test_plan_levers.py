@@ -113,6 +113,21 @@ def test_the_checkpoint_switch_is_read_as_the_module_reads_it(value: str, expect
                      {"input_ids": torch.zeros(2, 16, dtype=torch.long)}, blocks=4)
 
 
+def test_the_recipes_first_estimator_is_the_one_its_trace_uses() -> None:
+    """The estimator built to read the recipe's shape has the recipe's own checkpointing (every 2nd block here), so the
+    search's trace of the recipe reuses it instead of building a second fake model."""
+    from lit_memopt.cli_plan import PlanTracer
+
+    tracer = PlanTracer(cli.compose_config(["recipe=sft", "module.gradient_checkpointing=2"]), cpu_target=True)
+    try:
+        shape = tracer.recipe_shape(4)
+        assert shape.checkpointing == 2 and list(tracer.estimators) == [(2, None)]
+        tracer(shape.recipe.checkpointing, shape.rows, False)
+        assert list(tracer.estimators) == [(2, None)]
+    finally:
+        tracer.close()
+
+
 def test_a_manually_optimized_module_splits_its_own_step() -> None:
     """CRSP optimizes manually: Lightning refuses gradient accumulation there, so the micro-batch lever is the
     module's own setting, sequences per forward/backward, over its largest role (4 tasks x 4 solver answers here).
