@@ -126,12 +126,16 @@ def test_no_fork_once_this_process_holds_a_cuda_context(monkeypatch) -> None:  #
     assert not can_fork()
 
 
-def test_a_step_is_built_from_a_composed_config_outside_a_hydra_run() -> None:
+def test_a_step_is_built_from_a_composed_config_outside_a_hydra_run(monkeypatch) -> None:  # noqa: ANN001
     # The measurement on a GPU builds the real module from the same step config as the estimate: no
     # logger or callbacks, whose ${hydra:...} directories exist only inside a `lit-memopt` run.
+    from hydra.core.hydra_config import HydraConfig
+
     from lit_memopt.cli import compose_config, instantiate_run
     from lit_memopt.cli_estimate import step_config
 
+    # Outside a run, whatever an earlier in-process `lit-memopt` command of this test worker left behind.
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)
     cfg = compose_config(["recipe=sft"])
     with pytest.raises(Exception, match="HydraConfig was not set"):
         instantiate_run(cfg)
