@@ -235,13 +235,14 @@ def search_plans(
     traces = _Traces(trace)
     recipe = shape.recipe
     g = shape.global_rows
-    sizes = [g] if shape.micro_batch_key == "" else divisors(g)
-    passes = lambda m: g // m  # noqa: E731
-    if shape.micro_batch_key and shape.step_sequences:
-        # The module's own passes over its step's sequences (CRSP): every size that divides them, and the recipe's own
-        # value whether or not it does (its last pass is then short), never more sequences than the step has.
-        sizes = sorted(set(divisors(shape.step_sequences)) | {recipe.micro_batch})
-        passes = lambda m: -(-shape.step_sequences // m)  # noqa: E731
+    # What the micro-batches cover: the step's rows, or a module's own passes over its step's sequences (CRSP). The
+    # sizes are its divisors and the recipe's own value, which need not divide it (its last pass is then short; rows
+    # x accumulation always divide); the passes cover it, never more sequences per pass than the step has.
+    covered = shape.step_sequences if shape.micro_batch_key and shape.step_sequences else g
+    sizes = [g] if shape.micro_batch_key == "" else sorted(set(divisors(covered)) | {recipe.micro_batch})
+
+    def passes(m: int) -> int:
+        return -(-covered // m)
     checkpointing = ([recipe.checkpointing] if shape.checkpointing is None
                      else sorted({recipe.checkpointing, True, *shape.checkpoint_periods}, key=recompute_share))
     if shape.world_size <= 1:
