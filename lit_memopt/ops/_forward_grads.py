@@ -116,10 +116,10 @@ def forward_gradient_pass(spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias:
     outputs = {name: hidden.new_zeros(n, dtype=stat) for name in OUTPUTS if spec.wants(name)}
     products = [torch.empty((n, size), dtype=hidden.dtype, device=device) for _ in range(sets)] if need_h else []
     # Contiguous, whatever the parameter's strides, so that vocabulary tiles are row slices of it. The first
-    # block's products overwrite it (no fill) where every column is written; zeros where none may be.
+    # block's products overwrite it (no fill); zeros where there is no block.
     grad_w = None
     if need_w:
-        grad_w = (torch.empty if held and n else torch.zeros)(weight.shape, dtype=weight.dtype, device=device)
+        grad_w = (torch.empty if n else torch.zeros)(weight.shape, dtype=weight.dtype, device=device)
     grad_b = torch.zeros(vocab, dtype=stat, device=device) if need_b else None
     for r0 in tile_starts(0, n, rb, values=values):
         r1 = min(r0 + rb, n)
@@ -176,7 +176,7 @@ def forward_gradient_pass(spec: _HeadSpec, hidden: Tensor, weight: Tensor, bias:
                 if need_h:
                     math_.accumulate("gh_p", accs[k], operand, w, overwrite=v0 == 0)
                 if need_w and k == 0:
-                    first = held and r0 == 0
+                    first = r0 == 0
                     if grad_w.dtype == stat:
                         math_.accumulate("gw_p", grad_w[v0:v1], operand.t(), h, overwrite=first)
                     elif first:  # a bf16/fp16 weight: each block's product is rounded once into it, as micro-batches would
