@@ -64,6 +64,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
         (dict(), 4, 0),  # default: every decoder layer (Qwen3DecoderLayer from _no_split_modules)
         (dict(every_k_layers=2, offload_to_cpu=True), 2, 4),  # layers 0, 2 recomputed; all four offloaded
         (dict(name_pattern=r"layers\.(1|3)$"), 2, 0),
+        (dict(recompute=False, offload_to_cpu=True), 0, 4),  # offload only: every saved activation through the host
     ],
 )
 def test_gradients_identical_on_tiny_qwen3(tiny_reference, kwargs, n_checkpointed, n_offloaded):
@@ -73,6 +74,7 @@ def test_gradients_identical_on_tiny_qwen3(tiny_reference, kwargs, n_checkpointe
     names = callback.apply(model)
     assert len(names) == n_checkpointed and len(callback.offloaded) == n_offloaded
     assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == n_checkpointed
+    assert sum(isinstance(m, ActivationWrapper) and not isinstance(m, CheckpointWrapper) for m in model.modules()) == n_offloaded
     assert callback.layer_types == ["Qwen3DecoderLayer"]
     assert callback.apply(model) == []  # idempotent
     assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == n_checkpointed

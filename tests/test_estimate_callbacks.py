@@ -37,9 +37,23 @@ def test_the_period_and_the_offload_note_come_from_the_callback() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_activation_offload_is_said_to_be_counted_on_the_device() -> None:
-    report = estimate_recipe(compose_config([*BASE, CALLBACK, "callbacks.activation_checkpointing.offload_to_cpu=true"]))
-    assert any("offload_to_cpu=true" in n and "not modelled" in n for n in report.notes)
+def test_activation_offload_is_traced_off_the_device() -> None:
+    """The callback's offload is traced as device memory sees it: what the layers save leaves the device (alone, or
+    on top of checkpointing, where only the layers' inputs are saved) and the bytes copied are counted."""
+    offload = "callbacks.activation_checkpointing.offload_to_cpu=true"
+    only = [CALLBACK, offload, "callbacks.activation_checkpointing.recompute=false"]
+    plain = estimate_recipe(compose_config(BASE)).estimate
+    offloaded = estimate_recipe(compose_config([*BASE, *only]))
+    checkpointed = estimate_recipe(compose_config([*BASE, CALLBACK])).estimate
+    both = estimate_recipe(compose_config([*BASE, CALLBACK, offload])).estimate
+    assert any("offload_to_cpu=true" in n and "leave the device" in n for n in offloaded.notes)
+    assert plain.offloaded_bytes == checkpointed.offloaded_bytes == 0
+    assert offloaded.estimate.phase_peaks["forward"] < 0.8 * plain.phase_peaks["forward"]
+    assert both.phase_peaks["forward"] < checkpointed.phase_peaks["forward"]
+    # with checkpointing only the layers' inputs are saved, hence copied: far fewer bytes than every activation
+    assert 0 < both.offloaded_bytes < 0.25 * offloaded.estimate.offloaded_bytes
+    # an offload-only callback checkpoints nothing: every block alike, no period
+    assert checkpoint_period_of(compose_config([*BASE, *only, "callbacks.activation_checkpointing.every_k_layers=3"])) == 1
 
 
 def test_the_measured_module_is_checkpointed_as_the_traced_one() -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -19,6 +20,7 @@ from lit_memopt._compat.distributed import (
     wrapped_module,
 )
 from lit_memopt._compat.lightning import callback_state_key
+from lit_memopt.memory.offload import host_offload
 
 __all__ = ["ActivationCheckpointing"]
 
@@ -26,19 +28,21 @@ _WRAPPED_PREFIX = "." + CHECKPOINT_WRAPPED_MODULE
 
 
 class _SaveOnCpuWrapper(ActivationWrapper):
-    """Run the wrapped module under ``torch.autograd.graph.save_on_cpu``: tensors autograd saves go to host memory.
+    """Run the wrapped module under ``offload()`` (``memory.offload.host_offload``): the tensors autograd saves,
+    parameters excepted, go to host memory.
 
-    PyTorch's own ``OffloadWrapper`` always pins host memory, which needs an accelerator; this one
-    pins only when asked. Subclassing ``ActivationWrapper`` keeps its state-dict hooks, so
-    checkpoints carry the unwrapped parameter names.
+    PyTorch's own ``OffloadWrapper`` (``save_on_cpu``) always pins host memory, which needs an accelerator, and
+    copies every saved weight to the host and back as well; this one pins only when asked and leaves parameters
+    where they are. Subclassing ``ActivationWrapper`` keeps its state-dict hooks, so checkpoints carry the
+    unwrapped parameter names.
     """
 
-    def __init__(self, module: nn.Module, pin_memory: bool) -> None:
+    def __init__(self, module: nn.Module, offload: Callable[[], ContextManager]) -> None:
         super().__init__(module)
-        self.pin_memory = pin_memory
+        self.offload = offload
 
     def forward(self, *args, **kwargs):
-        with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
+        with self.offload():
             return wrapped_module(self)(*args, **kwargs)
 
 
@@ -56,9 +60,10 @@ class ActivationCheckpointing(Callback):
     restored for the recomputation, so dropout matches). With ``every_k_layers=k`` only every
     k-th selected layer is checkpointed (selective checkpointing: less recomputation, less
     saving). With ``offload_to_cpu`` the tensors autograd keeps for the selected layers (the
-    inputs of the checkpointed ones, all saved activations of the others) are moved to host
-    memory through ``torch.autograd.graph.save_on_cpu`` and copied back for backward; on a CPU
-    run there is nothing to offload to, so it says so and skips that part.
+    inputs of the checkpointed ones, all saved activations of the others; never the parameters)
+    are moved to host memory (``memory.offload.host_offload``) and copied back for backward; on a
+    CPU run there is nothing to offload to, so it says so and skips that part. With
+    ``recompute=False`` nothing is checkpointed and only the offload applies (it must then be on).
 
     Layers are chosen by class name (``layer_classes``) or by a regular expression searched in
     the module's qualified name (``name_pattern``); a module matching either is selected, and
@@ -79,12 +84,14 @@ class ActivationCheckpointing(Callback):
         name_pattern: regular expression searched in qualified module names, e.g. ``r"layers\\.\\d+$"``.
         every_k_layers: checkpoint the 1st, (k+1)-th, (2k+1)-th, ... selected layer; ``1`` checkpoints all.
         offload_to_cpu: move the tensors saved for backward by the selected layers to host memory.
+        recompute: checkpoint (recompute) the layers; ``False`` with ``offload_to_cpu``: offload only.
         pin_memory: pin the host copies (faster copies back; needs CUDA, ignored without it).
         preserve_rng_state: restore the RNG state when recomputing (needed for identical dropout).
 
     Raises:
-        ValueError: in ``__init__`` for ``every_k_layers < 1``, an invalid ``name_pattern`` or
-            empty class names; in ``setup``/``on_fit_start`` when no layer matches.
+        ValueError: in ``__init__`` for ``every_k_layers < 1``, an invalid ``name_pattern``,
+            empty class names or ``recompute=False`` without ``offload_to_cpu``; in
+            ``setup``/``on_fit_start`` when no layer matches.
 
     Example::
 
@@ -103,6 +110,7 @@ class ActivationCheckpointing(Callback):
         offload_to_cpu: bool = False,
         pin_memory: bool = True,
         preserve_rng_state: bool = True,
+        recompute: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(layer_classes, str):
@@ -117,6 +125,10 @@ class ActivationCheckpointing(Callback):
                 raise ValueError(f"ActivationCheckpointing(name_pattern={name_pattern!r}) is not a valid regular expression: {error}") from None
         if isinstance(every_k_layers, bool) or not isinstance(every_k_layers, int) or every_k_layers < 1:
             raise ValueError(f"ActivationCheckpointing(every_k_layers={every_k_layers!r}): use a positive integer (1: every layer).")
+        if not recompute and not offload_to_cpu:
+            raise ValueError("ActivationCheckpointing(recompute=False, offload_to_cpu=False) would change nothing: "
+                             "set offload_to_cpu=True to offload only, or keep recompute=True.")
+        self.recompute = bool(recompute)
         self.layer_classes = classes
         self.name_pattern = name_pattern
         self.every_k_layers = every_k_layers
@@ -162,11 +174,13 @@ class ActivationCheckpointing(Callback):
         return selected
 
     # --- application ------------------------------------------------------------------------------
-    def apply(self, root: nn.Module, *, offload: bool | None = None) -> list[str]:
+    def apply(self, root: nn.Module, *, offload: bool | None = None,
+              offload_hooks: Callable[[], ContextManager] | None = None) -> list[str]:
         """Wrap the selected layers of ``root`` in place; returns the names of the checkpointed layers.
 
         Returns an empty list when ``root`` already holds activation wrappers (applied before).
-        ``offload`` overrides ``offload_to_cpu`` (the callback turns it off on CPU runs).
+        ``offload`` overrides ``offload_to_cpu`` (the callback turns it off on CPU runs); ``offload_hooks`` replaces
+        the context the offloaded layers run in (the estimator's ``memory.offload.modelled_host_offload``).
 
         Raises:
             ValueError: when no layer matches the selection.
@@ -183,9 +197,11 @@ class ActivationCheckpointing(Callback):
             )
         offload = self.offload_to_cpu if offload is None else offload
         pin = self.pin_memory and torch.cuda.is_available()
+        hooks = offload_hooks or functools.partial(host_offload, pin_memory=pin)
         self.layer_types = sorted({type(m).__name__ for _, m in layers})
         # id(module) -> (checkpoint it?, offload it?): every k-th layer is checkpointed, all are offloaded when asked
-        plan = {id(module): (index % self.every_k_layers == 0, offload) for index, (_, module) in enumerate(layers)}
+        plan = {id(module): (self.recompute and index % self.every_k_layers == 0, offload)
+                for index, (_, module) in enumerate(layers)}
         plan = {key: todo for key, todo in plan.items() if any(todo)}
 
         def wrap(module: nn.Module) -> nn.Module:
@@ -197,12 +213,12 @@ class ActivationCheckpointing(Callback):
                 )
             if offload_it:
                 # Outside the checkpoint wrapper: its saved inputs go to the host; inside it nothing else is saved.
-                wrapped = _SaveOnCpuWrapper(wrapped, pin_memory=pin)
+                wrapped = _SaveOnCpuWrapper(wrapped, hooks)
             return wrapped
 
         # torch's own selection-and-wrap walk; the selection (outermost matches, every k-th) is ours.
         apply_activation_checkpointing(root, checkpoint_wrapper_fn=wrap, check_fn=lambda m: id(m) in plan)
-        checkpointed = [name for index, (name, _) in enumerate(layers) if index % self.every_k_layers == 0]
+        checkpointed = [name for index, (name, _) in enumerate(layers) if self.recompute and index % self.every_k_layers == 0]
         offloaded = [name for name, _ in layers] if offload else []
         _disable_kv_cache(root)
         self.checkpointed, self.offloaded = checkpointed, offloaded
@@ -220,10 +236,11 @@ class ActivationCheckpointing(Callback):
                            "memory; offload_to_cpu is skipped.")
             offload = False
         names = self.apply(pl_module, offload=offload)
-        if names:
+        if names or self.offloaded:
+            every = f"; every {self.every_k_layers}" if names else ""
             rank_zero_info(
-                f"ActivationCheckpointing: checkpointing {len(names)} layer(s) ({', '.join(self.layer_types)}; every "
-                f"{self.every_k_layers}), CPU offload of saved activations for {len(self.offloaded)}."
+                f"ActivationCheckpointing: checkpointing {len(names)} layer(s) ({', '.join(self.layer_types)}{every}), "
+                f"CPU offload of saved activations for {len(self.offloaded)}."
             )
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -133,6 +133,7 @@ def extrapolate(estimates: Sequence[PeakEstimate], blocks: Sequence[int], num_bl
         seconds=e1.seconds + e2.seconds,
         reserved_peak_bytes=None if reserved is None else max(reserved, peak),
         num_blocks=num_blocks,
+        offloaded_bytes=max(_line((e1.offloaded_bytes, e2.offloaded_bytes), blocks, num_blocks), 0),
     )
 
 

@@ -23,6 +23,7 @@ from lit_memopt.memory.batch import batch_geometry, batch_tensors, resize_batch,
 from lit_memopt.memory.units import format_bytes
 from lit_memopt.memory.fake import fake_mode
 from lit_memopt.memory.worst_case import UnknownValueError
+from lit_memopt.memory.offload import OFFLOAD_METER
 from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, snapshot_categories, snapshot_total
 
 __all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda"]
@@ -79,6 +80,8 @@ class PeakEstimate:
             traced and extrapolated; worst-case generation; per-rank sharding).
         worst_case_tokens: tokens sampled during the step when generation ran at its worst case (every
             sampled token a non-EOS filler, every response at ``max_new_tokens``); ``None``: not a worst case.
+        offloaded_bytes: bytes of saved activations the step moved to host memory and back (activation offload,
+            ``memory.offload``; counted on fake tensors, 0 without offload).
     """
 
     peak_bytes: int
@@ -97,6 +100,7 @@ class PeakEstimate:
     num_blocks: int | None = None
     method: str = "full trace"
     worst_case_tokens: int | None = None
+    offloaded_bytes: int = 0
 
     @property
     def peak_gib(self) -> float:
@@ -382,6 +386,7 @@ def estimate_peak(
                 opt.zero_grad(set_to_none=True)
         tracker = StepTracker(record_allocations=model_allocator)
         tracker.track_external(module, *optimizers, *batch_tensors(batch))
+        OFFLOAD_METER.take()  # the step's own offloaded bytes only
         started = time.perf_counter()
         try:
             # The value mode goes inside the tracker: the tensors it creates for value-dependent shapes are counted.
@@ -402,6 +407,7 @@ def estimate_peak(
                 "be estimated; set LIT_MEMOPT_DEBUG=1 for the traceback."
             ) from exc
         seconds = time.perf_counter() - started
+        offloaded = OFFLOAD_METER.take()
         peak_snapshot = tracker.get_tracker_snapshot("peak")
         state_bytes = _optimizer_state_bytes(optimizers)
 
@@ -428,6 +434,7 @@ def estimate_peak(
         phase_breakdowns=phase_breakdowns,
         reserved_peak_bytes=reserved,
         worst_case_tokens=None if values is None else values.sampled_tokens,
+        offloaded_bytes=offloaded,
     )
 
 
