@@ -16,6 +16,7 @@ from typing import Any
 
 from lit_memopt.cli_estimate import (
     RecipeEstimator,
+    activation_checkpointing_callbacks,
     block_count,
     cpu_seconds,
     data_parallel_plan,
@@ -58,6 +59,9 @@ CHECKPOINT_KEYS = ("gradient_checkpointing", "checkpoint_steps")
 # The switches that also take k >= 2, every k-th decoder block (transformers' every_n_layers), and the k searched.
 PERIODIC_CHECKPOINT_KEYS = ("gradient_checkpointing",)
 CHECKPOINT_PERIODS = (2,)
+# Activation offload: the callback the plan adds (offload only; checkpointing stays the module switch's lever).
+ACTIVATION_OFFLOAD_KEY = "callbacks.activation_offload"
+ACTIVATION_OFFLOAD = {"_target_": "lit_memopt.callbacks.ActivationCheckpointing", "recompute": False, "offload_to_cpu": True}
 # Command-line keys that configure the plan itself, not the run it plans.
 _PLAN_ONLY = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -150,9 +154,10 @@ def recipe_checkpointing(cfg: Any) -> bool | int | None:
 
 
 def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), replicated: int = 0,
-                 built: Any = None) -> RecipeShape:
+                 built: Any = None, activation_offload: bool = False) -> RecipeShape:
     """The recipe as given on the command line, for the search; ``built``: the recipe's LightningModule (whether
-    it optimizes manually, and how it splits its own step, see :func:`micro_batch_key`)."""
+    it optimizes manually, and how it splits its own step, see :func:`micro_batch_key`); ``activation_offload``:
+    search it (see :func:`offloadable`)."""
     from omegaconf import OmegaConf
 
     data = cfg.get("data") or {}
@@ -188,8 +193,18 @@ def recipe_shape(cfg: Any, batch: Any, blocks: int, maths: Sequence[str] = (), r
         strategy=strategy, world_size=world, nodes=int(cfg.trainer.get("num_nodes") or 1), blocks=blocks,
         tokens_per_row=tokens, dtype_bytes=DTYPE_BYTES.get(str(cfg.model.get("dtype", "float32")), 4),
         offload=offload, maths=tuple(maths), replicated_bytes=int(replicated), micro_batch_key=inner,
-        step_sequences=step_sequences,
+        step_sequences=step_sequences, activation_offload=False if activation_offload else None,
     )
+
+
+def offloadable(cfg: Any, module: Any) -> bool:
+    """Whether the plan can add activation offload to this recipe: the module has decoder blocks the callback finds,
+    and the recipe configures no ``ActivationCheckpointing`` of its own (kept as given, never combined with ours)."""
+    from lit_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
+
+    if activation_checkpointing_callbacks(cfg):
+        return False
+    return bool(ActivationCheckpointing(recompute=False, offload_to_cpu=True).select_layers(module))
 
 
 class PlanTracer:
@@ -203,13 +218,14 @@ class PlanTracer:
         self.key = _checkpoint_key(cfg)
         # set by recipe_shape once the module turns out to optimize manually: then `rows` are its own micro-batch
         self.inner_key: str | None = None
-        self.estimators: dict[tuple[bool | int, int | None], RecipeEstimator] = {}
+        self.estimators: dict[tuple[bool | int, int | None, bool], RecipeEstimator] = {}
         self.batch: Any = None
         self._open_dict = open_dict
 
-    def estimator(self, ckpt: bool | int, inner: int | None = None) -> RecipeEstimator:
-        """The estimator of the recipe with checkpointing ``ckpt`` and (``inner``) the module's micro-batch setting."""
-        if (ckpt, inner) not in self.estimators:
+    def estimator(self, ckpt: bool | int, inner: int | None = None, offload: bool = False) -> RecipeEstimator:
+        """The estimator of the recipe with checkpointing ``ckpt``, (``inner``) the module's micro-batch setting and
+        (``offload``) the activation-offload callback the plan would add."""
+        if (ckpt, inner, offload) not in self.estimators:
             from omegaconf import OmegaConf
 
             cfg = self.cfg.copy()
@@ -218,13 +234,15 @@ class PlanTracer:
                     cfg.module[self.key] = ckpt
                 if inner is not None:
                     OmegaConf.update(cfg, self.inner_key, inner, merge=False)
+                if offload:
+                    OmegaConf.update(cfg, ACTIVATION_OFFLOAD_KEY, dict(ACTIVATION_OFFLOAD), merge=False)
             est = RecipeEstimator(cfg, False, None)
             # a CPU run (memory_budget) steps AdamW with its per-parameter loop, CUDA with foreach
             est.optimizer_foreach = not self.cpu_target
             if self.batch is None:
                 self.batch = recipe_batch(est.run.datamodule)
-            self.estimators[(ckpt, inner)] = est
-        return self.estimators[(ckpt, inner)]
+            self.estimators[(ckpt, inner, offload)] = est
+        return self.estimators[(ckpt, inner, offload)]
 
     def recipe_shape(self, blocks: int, maths: Sequence[str] = ()) -> RecipeShape:
         """The recipe's :class:`RecipeShape`, from its own estimator (built here): whether its module optimizes
@@ -234,22 +252,24 @@ class PlanTracer:
         setting = recipe_checkpointing(cfg)
         est = self.estimator(False if setting is None else setting)
         module = est.run.module
-        shape = recipe_shape(cfg, self.batch, blocks, maths, replicated_parameter_bytes(module, blocks), built=module)
+        shape = recipe_shape(cfg, self.batch, blocks, maths, replicated_parameter_bytes(module, blocks), built=module,
+                             activation_offload=not self.cpu_target and offloadable(cfg, module))
         self.inner_key = shape.micro_batch_key
         return shape
 
-    def __call__(self, ckpt: bool, rows: int, accumulating: bool) -> Any:
+    def __call__(self, ckpt: bool, rows: int, accumulating: bool, activation_offload: bool = False) -> Any:
         if self.inner_key:
             # the module's own micro-batches: the recipe's batch, split by the module in one step (its gradients are
             # live across them as the trace shows, so no accumulating flag)
             from omegaconf import OmegaConf
 
             # the recipe's own value is the estimator already built for it (a fake build is seconds at 7B)
-            est = self.estimator(ckpt, None if rows == OmegaConf.select(self.cfg, self.inner_key) else rows)
+            est = self.estimator(ckpt, None if rows == OmegaConf.select(self.cfg, self.inner_key) else rows,
+                                 activation_offload)
             est.accumulating = False
             est.cache.clear()
             return est.estimate(self.batch, None)
-        est = self.estimator(ckpt)
+        est = self.estimator(ckpt, None, activation_offload)
         est.accumulating = accumulating
         est.cache.clear()  # keyed by rows only; memory.plan keeps its own cache by (checkpointing, rows, accumulating)
         return est.estimate(resize_batch(self.batch, batch_size=rows), rows)
@@ -324,6 +344,9 @@ def plan_overrides(cfg: Any, result: PlanResult, plan: Prediction) -> list[str]:
                 [f"data.batch_size={c.micro_batch}", f"trainer.accumulate_grad_batches={c.accumulation}"])
     if "checkpointing" in levers:
         out.append(f"module.{_checkpoint_key(cfg)}={str(c.checkpointing).lower()}")
+    if "activation offload" in levers:
+        fields = ",".join(f"{k}:{str(v).lower() if isinstance(v, bool) else v}" for k, v in ACTIVATION_OFFLOAD.items())
+        out.append(f"+{ACTIVATION_OFFLOAD_KEY}={{{fields}}}")
     out += maths_overrides(cfg, [m for m in c.maths if m not in recipe.maths])
     return out
 
@@ -331,7 +354,7 @@ def plan_overrides(cfg: Any, result: PlanResult, plan: Prediction) -> list[str]:
 def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Prediction) -> str:
     """``lit-memopt fit ...``: the user's overrides (less the plan's own and a replaced trainer) and the plan's."""
     overrides = plan_overrides(cfg, result, plan)
-    replaced = {o.split("=", 1)[0] for o in overrides}
+    replaced = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     kept = [a for a in argv if not a.startswith(_PLAN_ONLY) and a.split("=", 1)[0].lstrip("+") not in replaced]
     extra = [f"memory_budget={format_bytes(result.memory_bytes).replace(' ', '')}"] if result.device.name.startswith("CPU") else []
     return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in [*kept, *overrides, *extra])])
@@ -345,6 +368,8 @@ def _describe(p: Prediction, shape: RecipeShape) -> str:
     batch = (f"micro-batch {c.micro_batch} × {c.accumulation}" if not shape.micro_batch_key
              else f"{c.micro_batch} sequence{'' if c.micro_batch == 1 else 's'} per pass")  # the module's own micro-batches (CRSP)
     parts = [batch, checkpointing]
+    if c.activation_offload:
+        parts.append("activation offload")
     if c.strategy != "single":
         parts.append(c.strategy + (" + cpu offload" if c.offload else ""))
     parts += list(c.maths)

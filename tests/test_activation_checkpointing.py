@@ -187,5 +187,7 @@ def test_errors():
         ActivationCheckpointing(name_pattern="layers[")
     with pytest.raises(ValueError, match="layer_classes"):
         ActivationCheckpointing(layer_classes=[""])
+    with pytest.raises(ValueError, match="recompute=False, offload_to_cpu=False"):
+        ActivationCheckpointing(recompute=False)  # nothing to do: say so instead of silently wrapping nothing
     with pytest.raises(ValueError, match="no layer to checkpoint"):
         ActivationCheckpointing(layer_classes="NoSuchBlock").apply(torch.nn.Sequential(torch.nn.Linear(2, 2)))

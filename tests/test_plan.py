@@ -239,3 +239,61 @@ def test_a_module_splitting_its_own_step_is_planned_over_its_sequences() -> None
     assert _plan(80 * 2**30, shape=shape).best.candidate == shape.recipe  # room to spare: the recipe as given
     assert {(p.candidate.micro_batch, p.candidate.accumulation)
             for p in _plan(int(2.0 * 2**30), shape=shape).predictions} - {(3, 6)}  # smaller budgets: other sizes
+
+
+BIG_ACT = 800 * MIB  # per row: long rows, whose activations bind even at one row with every block checkpointed
+
+
+def _offloading_estimate(ckpt: bool, rows: int, acc: bool, activation_offload: bool = False) -> PeakEstimate:
+    """The synthetic step with long rows; activation offload keeps an eighth of the saved activations on the device
+    and copies the rest (all of them, checkpointed or not, counted as moved)."""
+    est = _estimate(ckpt, rows, acc)
+    saved = rows * BIG_ACT // (4 if ckpt else 1)
+    kept = saved // 8 if activation_offload else saved
+    phases = {k: dict(v, activations=0 if k == "optimizer step" else kept // (2 if k == "backward" else 1))
+              for k, v in est.phase_breakdowns.items()}
+    return dataclasses.replace(_rebuilt(est, phases), offloaded_bytes=saved if activation_offload else 0)
+
+
+def test_activation_offload_fits_where_checkpointing_one_row_does_not() -> None:
+    # 2 GiB (1843 MiB usable): one row with every block checkpointed peaks at 1801 MiB live + 64 reserved; offloaded,
+    # the optimizer step's 1700 MiB (+64) is the peak. FSDP2's offload (which would also fit) is left out here.
+    shape = dataclasses.replace(SHAPE, activation_offload=False)
+    memory = 2 * 2**30
+    without = search_plans(_offloading_estimate, SHAPE, memory, device=DEVICES["h100"], margin=0.1, offload=False)
+    assert not without.fits
+    result = search_plans(_offloading_estimate, shape, memory, device=DEVICES["h100"], margin=0.1, offload=False)
+    assert result.fits
+    best = result.best
+    assert best.candidate.activation_offload and best.traced and best.candidate.checkpointing is True
+    assert best.levers["activation offload"][0] > 0 and best.levers["activation offload"][1] > 0  # saves, and costs
+    # the copies are priced: the same plan without them is predicted faster
+    twin = dataclasses.replace(best.candidate, activation_offload=False)
+    assert best.seconds > next(p.seconds for p in result.predictions if p.candidate == twin)
+
+
+def test_activation_offload_is_traced_only_where_it_could_beat_the_fastest_fitting_plan() -> None:
+    # 6 GiB: 16 rows with every block checkpointed fit. Checkpointed and offloaded can only be slower (its twin fits):
+    # never traced. Offloaded without checkpointing could be faster (lower bound: no copies): traced, then priced
+    # with its copies (12800 MiB per micro-batch over PCIe) and left behind.
+    memory = 6 * 2**30
+    shape = dataclasses.replace(SHAPE, activation_offload=False)
+    plain = search_plans(_offloading_estimate, SHAPE, memory, device=DEVICES["h100"], margin=0.1, offload=False)
+    searched = search_plans(_offloading_estimate, shape, memory, device=DEVICES["h100"], margin=0.1, offload=False)
+    assert plain.fits and plain.best.candidate.checkpointing is True and plain.best.candidate.micro_batch == 16
+    assert searched.best.candidate == plain.best.candidate
+    offloading = [p for p in searched.predictions if p.candidate.activation_offload]
+    assert offloading and {p.candidate.checkpointing for p in offloading} == {False}
+    assert all(p.seconds > searched.best.seconds for p in offloading)
+    assert searched.traces > plain.traces
+
+
+def test_activation_offload_adds_its_copies_to_each_micro_batch() -> None:
+    h100 = DEVICES["h100"]
+    work = StepWork(parameters=4e9, trainable=4e9, parameter_bytes=8e9, trainable_bytes=8e9, optimizer_state_bytes=16e9,
+                    tokens=8192, micro_batches=4, blocks=36)
+    moved = 3e9
+    extra = step_seconds(dataclasses.replace(work, activation_offload_bytes=moved), h100) - step_seconds(work, h100)
+    from lit_memopt.memory.plan_time import BANDWIDTH_EFFICIENCY
+
+    assert extra == pytest.approx(4 * 2 * moved / (h100.pcie_bytes_per_second * BANDWIDTH_EFFICIENCY))

@@ -121,9 +121,9 @@ def test_the_recipes_first_estimator_is_the_one_its_trace_uses() -> None:
     tracer = PlanTracer(cli.compose_config(["recipe=sft", "module.gradient_checkpointing=2"]), cpu_target=True)
     try:
         shape = tracer.recipe_shape(4)
-        assert shape.checkpointing == 2 and list(tracer.estimators) == [(2, None)]
+        assert shape.checkpointing == 2 and list(tracer.estimators) == [(2, None, False)]
         tracer(shape.recipe.checkpointing, shape.rows, False)
-        assert list(tracer.estimators) == [(2, None)]
+        assert list(tracer.estimators) == [(2, None, False)]
     finally:
         tracer.close()
 
@@ -154,3 +154,19 @@ def test_a_manually_optimized_module_splits_its_own_step() -> None:
     assert (odd.rows, odd.accumulation) == (3, 6)
     with pytest.raises(ValueError, match="optimizes manually.*accumulate_grad_batches=2"):
         recipe_shape(cli.compose_config(["recipe=crsp", "trainer.accumulate_grad_batches=2"]), batch, 4, built=crsp_module)
+
+
+@pytest.mark.parametrize("overrides, cpu_target, expected", [
+    ([], False, False),  # searched; the recipe does not offload
+    (["callbacks=[default,activation_checkpointing]"], False, None),  # the recipe's own callback is kept as given
+    ([], True, None),  # plan.device=cpu: the device is the host, there is nowhere to offload to
+])
+def test_activation_offload_is_searched_where_the_recipe_can_take_it(overrides: list[str], cpu_target: bool,
+                                                                     expected: bool | None) -> None:
+    from lit_memopt.cli_plan import PlanTracer
+
+    tracer = PlanTracer(cli.compose_config(["recipe=sft", *overrides]), cpu_target=cpu_target)
+    try:
+        assert tracer.recipe_shape(4).activation_offload is expected
+    finally:
+        tracer.close()

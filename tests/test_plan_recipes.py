@@ -46,6 +46,22 @@ def test_round_trip_through_estimate(budget: str) -> None:
     assert abs(reserved - best.peak_bytes) <= 0.02 * best.peak_bytes, (reserved, best.peak_bytes)
 
 
+def test_an_activation_offload_plan_round_trips_through_estimate() -> None:
+    """At 60 MiB the offloading candidates are traced (each could beat the fastest fitting plan on its time without
+    the copies); the overrides printed for one, the callback the plan adds included, give ``estimate`` the same step."""
+    cfg = cli.compose_config(["recipe=sft", "gpu_memory=60MiB"])
+    result = plan_recipe(cfg)
+    offloading = [p for p in result.predictions if p.candidate.activation_offload and p.traced]
+    assert offloading and result.shape.activation_offload is False
+    plan = offloading[0]
+    overrides = plan_overrides(cfg, result, plan)
+    assert any(o.startswith("+callbacks.activation_offload=") for o in overrides), overrides
+    report = estimate_recipe(cli.compose_config(["recipe=sft", "gpu_memory=60MiB", *overrides]))
+    assert report.estimate.offloaded_bytes > 0
+    reserved = report.estimate.reserved_peak_bytes
+    assert abs(reserved - plan.peak_bytes) <= 0.02 * plan.peak_bytes, (reserved, plan.peak_bytes)
+
+
 def test_impossible_budget_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = _main(["plan", "recipe=sft", "gpu_memory=20MiB", f"hydra.run.dir={tmp_path}"])
     out = capsys.readouterr().out

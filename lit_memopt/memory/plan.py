@@ -8,7 +8,12 @@ The levers searched keep the maths of a step exact:
   recomputation and about half the saving for k=2), through the module's own switch;
 - the data-parallel strategy: FSDP2 instead of DDP over the same devices, or the reverse;
 - FSDP2 with its parameters, gradients and optimizer state offloaded to host memory (``CPUOffloadPolicy``),
-  on one device as well as several (not for ``plan.device=cpu``, whose device is the host).
+  on one device as well as several (not for ``plan.device=cpu``, whose device is the host);
+- activation offload: what the decoder blocks save for backward kept in host memory (``memory.offload``; on top
+  of any checkpointing setting, where only the blocks' inputs are saved), where the recipe can take it
+  (``RecipeShape.activation_offload``). It only adds time, so it is searched after the rest, for the candidates
+  that do not fit without it and could still beat the fastest plan that fits: one checkpointing setting at a
+  time, the most promising first, each traced like the others (``memory.plan_time`` prices its copies).
 
 The levers that change the maths (``plan.allow``) are searched by ``cli_plan`` as variants of the recipe,
 each searched here like the recipe itself and stamped with its ``maths`` name.
@@ -61,6 +66,7 @@ class Candidate:
     strategy: str  # single | ddp | fsdp2
     offload: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state in host memory
     maths: tuple[str, ...] = ()  # the plan.allow levers this candidate's recipe variant applies (lora, shorter_seq)
+    activation_offload: bool = False  # the decoder blocks' saved activations in host memory (memory.offload)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,9 @@ class RecipeShape:
     # With a module's own micro-batches: the sequences of the step's largest pass, which ``accumulation`` passes of
     # ``rows`` cover (0 otherwise).
     step_sequences: int = 0
+    # Activation offload: None where it is not searched (the recipe configures its own ActivationCheckpointing, the
+    # module has no decoder blocks to offload, or the device is the host), else whether the recipe offloads (never).
+    activation_offload: bool | None = None
 
     @property
     def global_rows(self) -> int:
@@ -109,7 +118,8 @@ class RecipeShape:
     @property
     def recipe(self) -> Candidate:
         ck = self.checkpointing if recompute_share(self.checkpointing) not in (0.0, 1.0) else bool(self.checkpointing)
-        return Candidate(self.rows, self.accumulation, ck, self.strategy, self.offload, self.maths)
+        return Candidate(self.rows, self.accumulation, ck, self.strategy, self.offload, self.maths,
+                         bool(self.activation_offload))
 
 
 @dataclass
@@ -175,6 +185,8 @@ def changed_levers(c: Candidate, recipe: Candidate) -> list[str]:
         out.append("strategy")  # (on one device, FSDP2 is only there for its offload: one lever, "cpu offload")
     if c.offload != recipe.offload:
         out.append("cpu offload")
+    if c.activation_offload != recipe.activation_offload:
+        out.append("activation offload")
     out += [m for m in c.maths if m not in recipe.maths]
     return out
 
@@ -189,24 +201,37 @@ def _revert(c: Candidate, lever: str, recipe: Candidate) -> Candidate:
         return dataclasses.replace(c, offload=recipe.offload, strategy=recipe.strategy if recipe.strategy == "single" else c.strategy)
     if lever == "strategy":
         return dataclasses.replace(c, strategy=recipe.strategy)
+    if lever == "activation offload":
+        return dataclasses.replace(c, activation_offload=recipe.activation_offload)
     return dataclasses.replace(c, maths=tuple(m for m in c.maths if m != lever))
 
 
+# What a trace is keyed by beside its rows: the checkpointing setting and whether activations are offloaded.
+Setting = tuple[bool | int, bool]
+
+
 class _Traces:
-    """Single-device estimates by ``(checkpointing, rows, accumulating)``, traced once each."""
+    """Single-device estimates by ``((checkpointing, activation offload), rows, accumulating)``, traced once each."""
 
-    def __init__(self, trace: Callable[[bool, int, bool], PeakEstimate]) -> None:
+    def __init__(self, trace: Callable[..., PeakEstimate]) -> None:
         self._trace = trace
-        self.done: dict[tuple[bool, int, bool], PeakEstimate] = {}
+        self.done: dict[tuple[Setting, int, bool], PeakEstimate] = {}
 
-    def get(self, ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
-        key = (ckpt, rows, acc)
+    def get(self, setting: Setting, rows: int, acc: bool) -> PeakEstimate:
+        key = (setting, rows, acc)
         if key not in self.done:
-            self.done[key] = self._trace(ckpt, rows, acc)
+            ckpt, offloaded = setting
+            # the offload keyword only where it is on: a trace function of the exact levers alone needs no new argument
+            self.done[key] = (self._trace(ckpt, rows, acc, activation_offload=True) if offloaded
+                              else self._trace(ckpt, rows, acc))
         return self.done[key]
 
-    def probes(self, ckpt: bool, acc: bool) -> list[int]:
-        return sorted(r for (c, r, a) in self.done if c == ckpt and a == acc)
+    def probes(self, setting: Setting, acc: bool) -> list[int]:
+        return sorted(r for (s, r, a) in self.done if s == setting and a == acc)
+
+
+def _setting(c: Candidate) -> Setting:
+    return (c.checkpointing, c.activation_offload)
 
 
 def search_plans(
@@ -252,41 +277,47 @@ def search_plans(
     if offload and ("fsdp2", True) not in strategies:
         strategies.append(("fsdp2", True))  # FSDP2 over the same devices (one included), state in host memory
     strategies = sorted(set(strategies))
-    candidates = sorted(Candidate(m, passes(m), ck, st, off, shape.maths) for m in sizes for ck in checkpointing
-                        for st, off in strategies)
+    candidates = sorted(Candidate(m, passes(m), ck, st, off, shape.maths, recipe.activation_offload) for m in sizes
+                        for ck in checkpointing for st, off in strategies)
     # The recipe's own parameter counts (for the time model), from its trace.
-    base = traces.get(recipe.checkpointing, g, False) if recipe.accumulation == 1 else traces.get(recipe.checkpointing, recipe.micro_batch, True)
+    base = (traces.get(_setting(recipe), g, False) if recipe.accumulation == 1
+            else traces.get(_setting(recipe), recipe.micro_batch, True))
     work = _work_from(base, shape)
 
     def predict(c: Candidate, *, exact: bool = False) -> Prediction:
         acc = c.accumulation > 1
-        key = (c.checkpointing, c.micro_batch, acc)
+        key = (_setting(c), c.micro_batch, acc)
         if exact or key in traces.done:
             est, traced = traces.get(*key), True
         else:
-            est, traced = _interpolate(traces, c.checkpointing, c.micro_batch, acc), False
+            est, traced = _interpolate(traces, _setting(c), c.micro_batch, acc), False
         if c.strategy != "single":
             est = per_rank_estimate(est, c.strategy, max(shape.world_size, 1), cpu_offload=c.offload,
                                     replicated_bytes=min(shape.replicated_bytes, est.phase_breakdowns.get(
                                         "optimizer step", {}).get("parameters", shape.replicated_bytes)))
         peak = int(est.reserved_peak_bytes or est.peak_bytes) if use_reserved else int(est.peak_bytes)
-        return Prediction(c, peak, seconds(c), traced, est)
+        return Prediction(c, peak, seconds(c, est.offloaded_bytes), traced, est)
 
-    def seconds(c: Candidate) -> float:  # the time model needs no trace of the candidate, only the recipe's
+    def seconds(c: Candidate, offloaded: int = 0) -> float:
+        """The time model needs no trace of the candidate, only the recipe's, and for activation offload the bytes
+        its trace copied (``offloaded``: 0 gives a lower bound, the time without the copies)."""
+        # a trace is one micro-batch, or with a module's own micro-batches the whole step (all its passes)
+        per_micro_batch = offloaded / c.accumulation if shape.micro_batch_key else offloaded
         return step_seconds(dataclasses.replace(
             work, tokens=c.micro_batch * shape.tokens_per_row, micro_batches=c.accumulation,
-            recompute=recompute_share(c.checkpointing), strategy=c.strategy, cpu_offload=c.offload), device)
+            recompute=recompute_share(c.checkpointing), strategy=c.strategy, cpu_offload=c.offload,
+            activation_offload_bytes=float(per_micro_batch) if c.activation_offload else 0.0), device)
 
     def order(p: Prediction) -> tuple:
         return (round(p.seconds, 12), len(changed_levers(p.candidate, recipe)), p.peak_bytes, p.candidate)
 
-    # Probes: the recipe's batch unaccumulated, and the ends of the accumulating range, per checkpointing setting.
-    def probe(ckpt: bool) -> None:
-        traces.get(ckpt, g, False)
+    # Probes: the recipe's batch unaccumulated, and the ends of the accumulating range, per setting.
+    def probe(setting: Setting) -> None:
+        traces.get(setting, g, False)
         accumulating = [m for m in sizes if m < g]
         if accumulating:
-            traces.get(ckpt, accumulating[0], True)
-            traces.get(ckpt, accumulating[-1], True)
+            traces.get(setting, accumulating[0], True)
+            traces.get(setting, accumulating[-1], True)
 
     # Cheapest answers first. The recipe fits: nothing else can be faster (every lever adds work), so its own
     # trace is the answer. The step with every lever does not fit: nothing does. Otherwise trace the rest.
@@ -299,6 +330,8 @@ def search_plans(
     fitting_at_recipe = [c for c in at_recipe if predict(c).peak_bytes <= usable]
     bound = min((seconds(c) for c in fitting_at_recipe), default=None)
     faster = [] if bound is None else [c for c in candidates if floors[(c.strategy, c.offload)] <= usable and seconds(c) < bound]
+    smallest = Candidate(sizes[0], passes(sizes[0]), max(checkpointing, key=recompute_share), recipe.strategy,
+                         recipe.offload, shape.maths, recipe.activation_offload)
     if not recipe_fits and floor > usable:
         # The optimizer step holds the weights, gradients, states and the update's temporaries whatever the
         # micro-batch or checkpointing: when they alone pass the budget, no exact lever can help (one trace).
@@ -310,38 +343,83 @@ def search_plans(
         candidates = [c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)]
     elif fitting_at_recipe:
         # only the candidates predicted faster than the recipe's step under the best fitting strategy can beat it
-        for ck in sorted({c.checkpointing for c in faster}):
-            probe(ck)
+        for ck in sorted({c.checkpointing for c in faster}, key=recompute_share):
+            probe((ck, recipe.activation_offload))
         candidates = sorted(set(faster) | {c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)})
     else:
-        smallest = Candidate(sizes[0], passes(sizes[0]), max(checkpointing, key=recompute_share), recipe.strategy,
-                             recipe.offload, shape.maths)
         if all(predict(dataclasses.replace(smallest, strategy=s, offload=o), exact=True).peak_bytes > usable for s, o in strategies):
             candidates = [dataclasses.replace(smallest, strategy=s, offload=o) for s, o in strategies] + [
                 dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
         else:
             for ck in checkpointing:
-                probe(ck)
+                probe((ck, recipe.activation_offload))
     preds = {c: predict(c) for c in candidates}
-    # Trace the best interpolated candidates (and the fastest that does not fit, the plan's tightness) until the
-    # fastest fitting plan rests on a trace of its own.
-    for _ in range(len(candidates)):
-        ranked = sorted(preds.values(), key=order)
-        fitting = [p for p in ranked if p.peak_bytes <= usable]
-        todo = [p.candidate for p in fitting[:RETRACE] if not p.traced]
-        missing = next((p for p in ranked if p.peak_bytes > usable), None)
-        if missing is not None and not missing.traced:
-            todo.append(missing.candidate)
-        best = fitting[0] if fitting else None
-        todo += [p.candidate for p in ranked if not p.traced and usable < p.peak_bytes <= usable * (1.0 + NEAR_MISS)
-                 and (best is None or order(p) < order(best))]
-        if not todo:
-            break
-        for c in todo:
-            for other in candidates:  # a trace serves every strategy of the same step
-                if (other.checkpointing, other.micro_batch, other.accumulation) == (c.checkpointing, c.micro_batch, c.accumulation):
-                    preds[other] = predict(other, exact=True)
+
+    def settle() -> None:
+        """Trace the best interpolated candidates (and the fastest that does not fit, the plan's tightness) until the
+        fastest fitting plan rests on a trace of its own."""
+        for _ in range(len(preds)):
+            ranked = sorted(preds.values(), key=order)
+            fitting = [p for p in ranked if p.peak_bytes <= usable]
+            todo = [p.candidate for p in fitting[:RETRACE] if not p.traced]
+            missing = next((p for p in ranked if p.peak_bytes > usable), None)
+            if missing is not None and not missing.traced:
+                todo.append(missing.candidate)
+            best = fitting[0] if fitting else None
+            todo += [p.candidate for p in ranked if not p.traced and usable < p.peak_bytes <= usable * (1.0 + NEAR_MISS)
+                     and (best is None or order(p) < order(best))]
+            if not todo:
+                return
+            for c in todo:
+                for other in list(preds):  # a trace serves every strategy of the same step
+                    if (_setting(other), other.micro_batch, other.accumulation) == (_setting(c), c.micro_batch, c.accumulation):
+                        preds[other] = predict(other, exact=True)
+
+    settle()
+    if shape.activation_offload is False and floor <= usable:
+        _search_activation_offload(preds, [dataclasses.replace(c, activation_offload=True) for c in sorted(
+            Candidate(m, passes(m), ck, st, off, shape.maths) for m in sizes for ck in checkpointing for st, off in strategies)
+            if floors[(c.strategy, c.offload)] <= usable], smallest, strategies, usable, predict, seconds, order, probe, settle)
     return _rank(shape, memory_bytes, usable, margin, device, preds, recipe, preds[recipe], len(traces.done), floor)
+
+
+def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Candidate], smallest: Candidate,
+                               strategies: list[tuple[str, bool]], usable: int, predict: Callable[..., Prediction],
+                               seconds: Callable[..., float], order: Callable[[Prediction], tuple],
+                               probe: Callable[[Setting], None], settle: Callable[[], None]) -> None:
+    """Add the activation-offload candidates worth tracing to ``preds``: offloading only adds time (host copies), so
+    a candidate is open only where its twin without offload does not fit (or was never a contender) and its time
+    without the copies, a lower bound, beats the fastest plan that fits. The checkpointing settings are traced one
+    at a time, the one holding the fastest open candidate first, and the rest re-read against the new answer."""
+    fitting = [p for p in preds.values() if p.peak_bytes <= usable]
+    if not fitting:
+        # the smallest step with every lever, offloading too: when it does not fit, no offloading candidate does
+        ends = [dataclasses.replace(smallest, strategy=s, offload=o, activation_offload=True) for s, o in strategies]
+        ends = [c for c in ends if c in grid]
+        for c in ends:
+            preds[c] = predict(c, exact=True)
+        if all(preds[c].peak_bytes > usable for c in ends):
+            return
+    while True:
+        fitting = [p for p in preds.values() if p.peak_bytes <= usable]
+        best = min(fitting, key=order) if fitting else None
+
+        def is_open(c: Candidate) -> bool:
+            twin = preds.get(dataclasses.replace(c, activation_offload=False))
+            if twin is not None and twin.peak_bytes <= usable:
+                return False  # it fits without: offloading would only add the copies
+            return best is None or seconds(c) < best.seconds
+
+        candidates = [c for c in grid if not any(_setting(c) == _setting(q) for q in preds if q.activation_offload)
+                      and is_open(c)]
+        if not candidates:
+            return
+        first = min(candidates, key=lambda c: (seconds(c), c))
+        probe(_setting(first))
+        for c in grid:
+            if _setting(c) == _setting(first):
+                preds[c] = predict(c)
+        settle()
 
 
 def merge_variants(base: PlanResult, variants: Sequence[PlanResult]) -> PlanResult:
@@ -394,19 +472,19 @@ def state_floor(est: PeakEstimate) -> int:
     return int(sum(step.get(k, 0) for k in ("parameters", "gradients", "optimizer_state", "temporaries", "communication")))
 
 
-def _interpolate(traces: _Traces, ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
+def _interpolate(traces: _Traces, setting: Setting, rows: int, acc: bool) -> PeakEstimate:
     """The estimate at ``rows`` on the line through the two nearest traced micro-batches of the same kind."""
-    probes = traces.probes(ckpt, acc)
+    probes = traces.probes(setting, acc)
     if len(probes) < 2:
-        return traces.get(ckpt, rows, acc)
+        return traces.get(setting, rows, acc)
     below = [r for r in probes if r <= rows]
     above = [r for r in probes if r >= rows]
     lo = below[-1] if below else probes[0]
     hi = above[0] if above and above[0] != lo else next((r for r in probes if r > lo), probes[-1])
     if lo == hi:
         lo = probes[-2]
-    est = extrapolate([traces.done[(ckpt, lo, acc)], traces.done[(ckpt, hi, acc)]], (lo, hi), rows)
-    base = traces.done[(ckpt, hi, acc)]
+    est = extrapolate([traces.done[(setting, lo, acc)], traces.done[(setting, hi, acc)]], (lo, hi), rows)
+    base = traces.done[(setting, hi, acc)]
     return dataclasses.replace(est, num_blocks=base.num_blocks, batch_size=rows,
                                method=f"{base.method}; interpolated in the micro-batch between {lo} and {hi} rows")
 

@@ -28,6 +28,10 @@ micro-batch plus what each lever adds:
   gradient and both moments, write weight and moments) at ``HOST_BANDWIDTH_EFFICIENCY`` of the node's host
   memory bandwidth (``DeviceSpec.host_bytes_per_second``), shared by the node's ranks, which all step at
   once; the device's memory does no optimizer traffic.
+- Activation offload (``StepWork.activation_offload_bytes``, ``memory.offload``): per micro-batch the bytes its
+  trace copied to the host go out in forward and come back in backward, over PCIe at ``BANDWIDTH_EFFICIENCY`` of
+  the per-direction peak. The copies are issued on the compute stream, between the kernels that make and use the
+  tensors, so they are added to the micro-batch, not overlapped (an upper bound: no side stream is modelled).
 - Frozen models FSDP2 leaves whole on every rank (``StepWork.replicated_bytes``: a reference copy, a reward
   model) cost their FLOPs and weight reads like any model, but are neither gathered nor copied to or from the host.
 
@@ -147,6 +151,7 @@ class StepWork:
             optimizer-state shards in host memory, the optimizer step on the host.
         replicated_bytes: bytes of ``parameter_bytes`` in frozen models FSDP2 leaves whole on every rank (a
             reference copy, a reward model): never gathered, never copied to or from the host.
+        activation_offload_bytes: saved activations one micro-batch copies to the host and back (0: no offload).
     """
 
     parameters: float
@@ -163,6 +168,7 @@ class StepWork:
     nodes: int = 1
     cpu_offload: bool = False
     replicated_bytes: float = 0.0
+    activation_offload_bytes: float = 0.0
 
 
 def step_seconds(work: StepWork, device: DeviceSpec) -> float:
@@ -193,6 +199,7 @@ def step_seconds(work: StepWork, device: DeviceSpec) -> float:
         if work.cpu_offload:
             streams += (copy_in + copy_out) / pcie  # each copy runs just before its collective, on the same stream
         micro = max(micro, streams)
+    micro += 2.0 * work.activation_offload_bytes / pcie  # out in forward, back in backward, on the compute stream
     total = work.micro_batches * micro
     if work.strategy == "ddp" and w > 1:
         allreduce = 2.0 * work.trainable_bytes * share / link
