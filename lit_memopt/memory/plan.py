@@ -391,6 +391,7 @@ def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Ca
     a candidate is open only where its twin without offload does not fit (or was never a contender) and its time
     without the copies, a lower bound, beats the fastest plan that fits. The checkpointing settings are traced one
     at a time, the one holding the fastest open candidate first, and the rest re-read against the new answer."""
+    probed: set[Setting] = set()
     fitting = [p for p in preds.values() if p.peak_bytes <= usable]
     if not fitting:
         # the smallest step with every lever, offloading too: when it does not fit, no offloading candidate does
@@ -410,11 +411,11 @@ def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Ca
                 return False  # it fits without: offloading would only add the copies
             return best is None or seconds(c) < best.seconds
 
-        candidates = [c for c in grid if not any(_setting(c) == _setting(q) for q in preds if q.activation_offload)
-                      and is_open(c)]
+        candidates = [c for c in grid if _setting(c) not in probed and is_open(c)]
         if not candidates:
             return
         first = min(candidates, key=lambda c: (seconds(c), c))
+        probed.add(_setting(first))
         probe(_setting(first))
         for c in grid:
             if _setting(c) == _setting(first):
