@@ -413,6 +413,10 @@ def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Ca
 
         candidates = [c for c in grid if _setting(c) not in probed and is_open(c)]
         if not candidates:
+            if best is not None and best.candidate.activation_offload:
+                # what the offload saves and costs: the same plan without it (one trace at most; it does not fit)
+                twin = dataclasses.replace(best.candidate, activation_offload=False)
+                preds.setdefault(twin, predict(twin))
             return
         first = min(candidates, key=lambda c: (seconds(c), c))
         probed.add(_setting(first))
