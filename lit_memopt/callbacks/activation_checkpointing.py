@@ -232,6 +232,8 @@ class ActivationCheckpointing(Callback):
             return  # the model may be built later, in configure_model
         offload = self.offload_to_cpu
         if offload and trainer.strategy.root_device.type == "cpu":
+            if not self.recompute and self._applied:
+                return  # offload only, skipped on this run: said once already, nothing to wrap
             rank_zero_info("ActivationCheckpointing: training runs on the CPU, where activations already live in host "
                            "memory; offload_to_cpu is skipped.")
             offload = False
