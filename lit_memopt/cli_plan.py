@@ -208,7 +208,8 @@ def offloadable(cfg: Any, module: Any) -> bool:
 
 
 class PlanTracer:
-    """``(checkpointing, rows, accumulating) -> PeakEstimate``: one estimator (one fake module) per checkpointing setting."""
+    """``(checkpointing, rows, accumulating[, activation_offload]) -> PeakEstimate``: one estimator (one fake module)
+    per checkpointing setting, activation offload and (CRSP) pass size."""
 
     def __init__(self, cfg: Any, cpu_target: bool) -> None:
         from omegaconf import open_dict
