@@ -379,19 +379,24 @@ def search_plans(
     if shape.activation_offload is False and floor <= usable:
         _search_activation_offload(preds, [dataclasses.replace(c, activation_offload=True) for c in sorted(
             Candidate(m, passes(m), ck, st, off, shape.maths) for m in sizes for ck in checkpointing for st, off in strategies)
-            if floors[(c.strategy, c.offload)] <= usable], smallest, strategies, usable, predict, seconds, order, probe, settle)
+            if floors[(c.strategy, c.offload)] <= usable], smallest, strategies, usable, predict, seconds, order, probe, settle,
+            per_step=bool(shape.micro_batch_key))
     return _rank(shape, memory_bytes, usable, margin, device, preds, recipe, preds[recipe], len(traces.done), floor)
 
 
 def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Candidate], smallest: Candidate,
                                strategies: list[tuple[str, bool]], usable: int, predict: Callable[..., Prediction],
                                seconds: Callable[..., float], order: Callable[[Prediction], tuple],
-                               probe: Callable[[Setting], None], settle: Callable[[], None]) -> None:
+                               probe: Callable[[Setting], None], settle: Callable[[], None], per_step: bool) -> None:
     """Add the activation-offload candidates worth tracing to ``preds``: offloading only adds time (host copies), so
-    a candidate is open only where its twin without offload does not fit (or was never a contender) and its time
-    without the copies, a lower bound, beats the fastest plan that fits. The checkpointing settings are traced one
-    at a time, the one holding the fastest open candidate first, and the rest re-read against the new answer."""
+    a candidate is open only where its twin without offload does not fit (or was never a contender) and a lower
+    bound of its time beats the fastest plan that fits. That bound is its time without the copies until one candidate
+    of its checkpointing setting is traced; then the copies are priced from that trace (bytes in proportion to the
+    rows of a micro-batch; ``per_step``: a trace is the whole step, whatever the pass size, as with CRSP's own
+    passes). The fastest open candidate is traced alone first, its whole setting only if candidates stay open, one
+    setting at a time: a generation recipe's trace is minutes, so most settings cost one trace or none."""
     probed: set[Setting] = set()
+    sampled: dict[Setting, Prediction] = {}
     fitting = [p for p in preds.values() if p.peak_bytes <= usable]
     if not fitting:
         # the smallest step with every lever, offloading too: when it does not fit, no offloading candidate does
@@ -399,8 +404,17 @@ def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Ca
         ends = [c for c in ends if c in grid]
         for c in ends:
             preds[c] = predict(c, exact=True)
+            sampled.setdefault(_setting(c), preds[c])
         if all(preds[c].peak_bytes > usable for c in ends):
             return
+
+    def bound(c: Candidate) -> float:
+        sample = sampled.get(_setting(c))
+        if sample is None:
+            return seconds(c)
+        moved = sample.estimate.offloaded_bytes
+        return seconds(c, moved if per_step else moved * c.micro_batch // max(sample.candidate.micro_batch, 1))
+
     while True:
         fitting = [p for p in preds.values() if p.peak_bytes <= usable]
         best = min(fitting, key=order) if fitting else None
@@ -409,7 +423,9 @@ def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Ca
             twin = preds.get(dataclasses.replace(c, activation_offload=False))
             if twin is not None and twin.peak_bytes <= usable:
                 return False  # it fits without: offloading would only add the copies
-            return best is None or seconds(c) < best.seconds
+            if c in preds and preds[c].traced:
+                return False
+            return best is None or bound(c) < best.seconds
 
         candidates = [c for c in grid if _setting(c) not in probed and is_open(c)]
         if not candidates:
@@ -418,11 +434,15 @@ def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Ca
                 twin = dataclasses.replace(best.candidate, activation_offload=False)
                 preds.setdefault(twin, predict(twin))
             return
-        first = min(candidates, key=lambda c: (seconds(c), c))
-        probed.add(_setting(first))
-        probe(_setting(first))
+        first = min(candidates, key=lambda c: (bound(c), c))
+        setting = _setting(first)
+        if setting not in sampled:
+            preds[first] = sampled[setting] = predict(first, exact=True)
+            continue
+        probed.add(setting)
+        probe(setting)
         for c in grid:
-            if _setting(c) == _setting(first):
+            if _setting(c) == setting:
                 preds[c] = predict(c)
         settle()
 
