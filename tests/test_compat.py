@@ -229,6 +229,11 @@ def _tensor_version() -> None:
     assert compat_torch.tensor_version(t) > before
 
 
+def _view_base() -> None:
+    weight = torch.nn.Parameter(torch.zeros(3, 2))
+    assert compat_torch.view_base(weight.t()) is weight and compat_torch.view_base(weight) is None
+
+
 def _lr_scheduler_mark() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
     assert not compat_torch.is_counted_by_lr_scheduler(optimizer.step)
@@ -442,6 +447,7 @@ TRIPWIRES: dict[str, Callable[..., None]] = {
     "torch.amp.GradScaler()._per_optimizer_states": _grad_scaler_state,
     "torch.amp.grad_scaler._refresh_per_optimizer_state": _grad_scaler_state,
     "torch.Tensor()._version": _tensor_version,
+    "torch.Tensor()._base": _view_base,
     "torch.optim.lr_scheduler (optimizer.step)._wrapped_by_lr_sched": _lr_scheduler_mark,
     # torch.distributed
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper": _checkpoint_wrapper,

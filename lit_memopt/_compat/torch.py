@@ -67,6 +67,7 @@ __all__ = [
     "dump_cuda_memory_snapshot",
     "reset_grad_scaler_step",
     "tensor_version",
+    "view_base",
     "is_counted_by_lr_scheduler",
     "mark_counted_by_lr_scheduler",
     "PRIVATE_NAMES",
@@ -380,6 +381,12 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``None`` when ``t`` owns its storage): how activation offload tells a saved
+    ``weight.t()`` from an activation. Autograd exposes it only as ``_base``."""
+    return t._base
+
+
 def is_counted_by_lr_scheduler(step: Callable[..., Any]) -> bool:
     """Whether ``optimizer.step`` is an LR scheduler's counting wrapper (it marks it with an attribute)."""
     return hasattr(step, "_wrapped_by_lr_sched")
@@ -437,5 +444,6 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.amp.GradScaler()._per_optimizer_states": "reset_grad_scaler_step",
     "torch.amp.grad_scaler._refresh_per_optimizer_state": "reset_grad_scaler_step",
     "torch.Tensor()._version": "tensor_version",
+    "torch.Tensor()._base": "view_base",
     "torch.optim.lr_scheduler (optimizer.step)._wrapped_by_lr_sched": "mark_counted_by_lr_scheduler",
 }

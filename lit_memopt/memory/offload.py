@@ -24,12 +24,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lit_memopt._compat.torch import view_base
+
 __all__ = ["OFFLOAD_METER", "OffloadMeter", "host_offload", "modelled_host_offload", "offloads"]
 
 
 def offloads(tensor: torch.Tensor) -> bool:
     """Whether activation offload moves this saved tensor to the host: everything but parameters and their views."""
-    return not (isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter))
+    return not (isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter))
 
 
 @contextlib.contextmanager
