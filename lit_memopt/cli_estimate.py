@@ -342,6 +342,8 @@ class _Estimator:
                               "parameters) leave the device in forward and come back one at a time in backward, as "
                               "traced; the copies' time is not in the estimate")
         self.cache: dict[int | None, PeakEstimate] = {}
+        # A plan's traces share their rollouts (memory.replay): set by cli_plan.PlanTracer, one for all its estimators.
+        self.shared_regions: Any = None
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
         self.worst_case_filler: int | None = None
         if getattr(self.run.module, "generates_until_eos", False):
@@ -378,7 +380,7 @@ class _Estimator:
         if rows in self.cache:
             return self.cache[rows]
         kwargs: dict[str, Any] = {"optimizer_foreach": self.optimizer_foreach, "worst_case_filler": self.worst_case_filler,
-                                  "accumulating": self.accumulating}
+                                  "accumulating": self.accumulating, "shared_regions": self.shared_regions}
         est = None
         if self.blocks is not None:
             try:

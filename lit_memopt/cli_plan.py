@@ -34,6 +34,7 @@ from lit_memopt.memory.plan import (
     search_plans,
 )
 from lit_memopt.memory.plan_time import device_spec
+from lit_memopt.memory.replay import SharedRegions
 from lit_memopt.memory.units import format_bytes
 from lit_memopt.models.hf import checkpoint_period
 from lit_memopt.models.sharding import replicated_parameter_bytes
@@ -222,6 +223,8 @@ class PlanTracer:
         self.estimators: dict[tuple[bool | int, int | None, bool], RecipeEstimator] = {}
         self.batch: Any = None
         self._open_dict = open_dict
+        # The rollouts every setting's trace runs alike (memory.replay): traced once per block count, then replayed.
+        self.shared_regions = SharedRegions()
 
     def estimator(self, ckpt: bool | int, inner: int | None = None, offload: bool = False) -> RecipeEstimator:
         """The estimator of the recipe with checkpointing ``ckpt``, (``inner``) the module's micro-batch setting and
@@ -240,6 +243,7 @@ class PlanTracer:
             est = RecipeEstimator(cfg, False, None)
             # a CPU run (memory_budget) steps AdamW with its per-parameter loop, CUDA with foreach
             est.optimizer_foreach = not self.cpu_target
+            est.shared_regions = self.shared_regions
             if self.batch is None:
                 self.batch = recipe_batch(est.run.datamodule)
             self.estimators[(ckpt, inner, offload)] = est
@@ -321,10 +325,12 @@ def compose_variant(cfg: Any, overrides: Sequence[str]) -> Any:
 def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any, cpu_target: bool) -> PlanResult:
     tracer = PlanTracer(cfg, cpu_target)
     try:
-        return search_plans(tracer, tracer.recipe_shape(blocks, maths), opts["gpu_bytes"], device=device, margin=opts["margin"],
-                            use_reserved=not cpu_target, offload=not cpu_target)
+        result = search_plans(tracer, tracer.recipe_shape(blocks, maths), opts["gpu_bytes"], device=device,
+                              margin=opts["margin"], use_reserved=not cpu_target, offload=not cpu_target)
     finally:
         tracer.close()
+    result.shared_regions = (tracer.shared_regions.recorded, tracer.shared_regions.replayed)
+    return result
 
 
 # ============================================================================ what to run
@@ -414,8 +420,11 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
             levers = levers or "none (the recipe)"
             print(f"{i:>2}  {_describe(p, shape):<{width}} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
                   f"{p.relative_time:>8.2f}×  {'traced' if p.traced else 'interpolated':<12} {levers}", file=out)
+        recorded, replayed = result.shared_regions
+        shared = (f" (their rollouts: {recorded} generate calls traced, {replayed} replayed from those)" if replayed
+                  else "")
         print(f"Step time is relative to the recipe as given ({result.device.name}, memory.plan_time); "
-              f"{result.traces} steps traced.", file=out)
+              f"{result.traces} steps traced{shared}.", file=out)
         if result.fastest_not_fitting is not None:
             q = result.fastest_not_fitting
             print(f"Fastest plan that does not fit: {_describe(q, shape)} ({format_bytes(q.peak_bytes)}, "

@@ -299,6 +299,12 @@ def _mem_tracker_state() -> None:
         assert isinstance(mapping, dict)
     assert hasattr(tracker.grad_hook_handles, "get") and isinstance(tracker.running_module_names, (set, frozenset))
     assert tracker.known_name(torch.nn.Linear(1, 1)) is None
+    # a storage the tracker counts has a record with its size; one it never saw has none
+    t = torch.ones(3)
+    assert tracker.storage_record(t.untyped_storage()) is None
+    tracker.track_tensor(compat_mem_tracker.MemRefType.ACT, t)
+    record = tracker.storage_record(t.untyped_storage())
+    assert record.size * record.element_size == 12 and record.mem_consumed == 12
 
 
 _TRACKER_METHODS = {
@@ -474,7 +480,7 @@ TRIPWIRES: dict[str, Callable[..., None]] = {
     "torch.ops._c10d_functional.wait_tensor": _mem_tracker_types,
     **{f"MemTracker(){name}": _mem_tracker_state for name in (
         "._depth", "._mod_tracker", "._in_opt", "._in_ac", "._curr_mem_snap", "._peak_mem", "._peak_mem_snap",
-        "._param_to_grad_hook_handles")},
+        "._param_to_grad_hook_handles", "._WINFO")},
     **{f"MemTracker.{name}": _mem_tracker_method(name) for name in _TRACKER_METHODS},
     # Lightning
     **{f"ModelCheckpoint.{name}": _model_checkpoint_method(name) for name in compat_lightning.PRIVATE_METHODS[1:]},

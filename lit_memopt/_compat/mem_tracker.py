@@ -83,6 +83,12 @@ class MemTrackerBase(MemTracker):
         """Per device, the category breakdown at its peak (mutable, like :attr:`peak_bytes`)."""
         return self._peak_mem_snap
 
+    def storage_record(self, storage: torch.UntypedStorage) -> Any:
+        """The tracker's record of ``storage`` (its ``_WeakRefInfo``: size, device, category), or ``None`` when untracked.
+        ``memory.replay`` asks which record a region's output lives in; the stock tracker keeps them privately."""
+        record, _ = self._WINFO.get(storage, (None, None))
+        return record
+
     @property
     def grad_hook_handles(self) -> Any:
         """Parameter -> its gradient hooks' handles: the tracker removes them on exit, so new hooks are kept here."""
@@ -148,6 +154,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "MemTracker()._peak_mem": "MemTrackerBase.peak_bytes",
     "MemTracker()._peak_mem_snap": "MemTrackerBase.peak_snapshot",
     "MemTracker()._param_to_grad_hook_handles": "MemTrackerBase.grad_hook_handles",
+    "MemTracker()._WINFO": "MemTrackerBase.storage_record",
     "MemTracker._track": "MemTrackerBase.track_tensor",
     "MemTracker._track_inputs_or_outputs": "MemTrackerBase.track_inputs",
     "MemTracker._update_and_maybe_create_winfos": "MemTrackerBase.track_storages_of",

@@ -24,6 +24,7 @@ from lit_memopt.memory.units import format_bytes
 from lit_memopt.memory.fake import fake_mode
 from lit_memopt.memory.worst_case import UnknownValueError
 from lit_memopt.memory.offload import OFFLOAD_METER
+from lit_memopt.memory.replay import SharedRegions, sharing_regions
 from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, snapshot_categories, snapshot_total
 
 __all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda"]
@@ -301,6 +302,7 @@ def estimate_peak(
     batch_idx: int = 0,
     model_allocator: bool = True,
     worst_case_filler: int | None = None,
+    shared_regions: SharedRegions | None = None,
 ) -> PeakEstimate:
     """Peak live tensor bytes of one training step (forward, backward, optimizer step) of ``module`` on ``batch``.
 
@@ -329,6 +331,9 @@ def estimate_peak(
         worst_case_filler: estimate text generation at its worst case: the batch's values are followed
             through the step and every sampled token is this (non-EOS) id, so every response runs to
             ``max_new_tokens`` (``memory.worst_case``). ``None``: shapes only; a step that reads values fails.
+        shared_regions: a :class:`~lit_memopt.memory.replay.SharedRegions` that the traces of one plan share: the
+            step's ``shared_region`` calls (rollouts) are recorded into it, or replayed from an earlier trace's
+            recording (``memory.replay``). ``None``: every region runs.
 
     Returns:
         A :class:`PeakEstimate`.
@@ -390,7 +395,9 @@ def estimate_peak(
         started = time.perf_counter()
         try:
             # The value mode goes inside the tracker: the tensors it creates for value-dependent shapes are counted.
-            with _standalone(module, optimizers), tracker, values if values is not None else contextlib.nullcontext():
+            with _standalone(module, optimizers), tracker, values if values is not None else contextlib.nullcontext(), \
+                    (sharing_regions(shared_regions, tracker, values) if shared_regions is not None
+                     else contextlib.nullcontext()):
                 tracker.mark_phase_start("setup")
                 _run_training_step(module, batch, optimizers, tracker, batch_idx)
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:

@@ -92,6 +92,9 @@ class StepTracker(MemTrackerBase):
         self._last_phase: str | None = None
         self._entry_fake_mode: Any = None  # set by __enter__
         self._fake_mode_in_slot = False
+        # Called with every update, after the tracker's own bookkeeping: ``(update type, record, old bytes, old
+        # category)`` (``memory.replay`` records a region's allocations through it).
+        self.listeners: list[Any] = []
 
     def __enter__(self) -> "StepTracker":
         # The fake mode the tracker is entered in: only its ops count (DTensor's shape propagation runs
@@ -119,6 +122,8 @@ class StepTracker(MemTrackerBase):
         if u_type == UpdateType.ADD or u_type == UpdateType.SIZE:
             self._grew = True
         super().on_memory_update(u_type, winfo, old_mem_consumed, old_reftype)
+        for listener in self.listeners:
+            listener(u_type, winfo, old_mem_consumed, old_reftype)
 
     # ------------------------------------------------------------------ repeated calls, generators, frozen weights
     def pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
@@ -172,14 +177,26 @@ class StepTracker(MemTrackerBase):
                 for leaf in tree_leaves(res):
                     if isinstance(leaf, torch.Tensor):
                         self.track_tensor(reftype, leaf)
-            # Peaks can only rise when memory was added; an op that only viewed or freed cannot move
-            # one, except as the first op of a phase (where that phase's level is first recorded).
-            phase = self.current_phase()
-            if self._grew or phase != self._last_phase:
-                self._grew = False
-                self._last_phase = phase
-                self.update_peak_stats(ModState.PEAK_BW if is_bw else ModState.PEAK_FW)
+            self._after_op()
         return res
+
+    def _after_op(self) -> None:
+        # Peaks can only rise when memory was added; an op that only viewed or freed cannot move
+        # one, except as the first op of a phase (where that phase's level is first recorded).
+        phase = self.current_phase()
+        if self._grew or phase != self._last_phase:
+            self._grew = False
+            self._last_phase = phase
+            self.update_peak_stats(ModState.PEAK_BW if self.in_backward else ModState.PEAK_FW)
+
+    def replay_update(self, u_type: Any, record: Any) -> None:
+        """Count an allocation (``UpdateType.ADD``) or free (``DEL``) that no tensor stands behind, as an op making
+        or dropping a storage of ``record`` (``device``, ``reftype``, ``mem_consumed``) would have been counted:
+        ``memory.replay`` replays a recorded region through here. ``record`` is the allocation's identity: the same
+        object frees it."""
+        self.on_memory_update(u_type, record, None, None)
+        if u_type == UpdateType.ADD:
+            self._after_op()
 
     def track_parameters_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool) -> tuple[int, int]:
         # The stock version registers gradient hooks on every parameter, which fails on frozen

@@ -22,6 +22,7 @@ import torch
 from lit_memopt.models import decoder_hidden_states, lm_head_weight
 from lit_memopt.models.tokens import left_pad
 from lit_memopt.models.adapters import is_peft_model, reference_model as reference_network
+from lit_memopt.memory.replay import module_fingerprint, shared_region
 
 __all__ = [
     "Rollout",
@@ -240,20 +241,22 @@ def generate(
         seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
     prompt_length = prompt_ids.shape[1]
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": float(temperature),
+                                                    "top_p": float(top_p), "top_k": 0}
+    # A sharded model gathers its layers in every forward: all ranks must run the same number of
+    # generation steps, so finished ranks keep stepping until every rank is done.
+    synced = _sharded_across_ranks(model)
     with torch.no_grad(), _eval_mode(model), _seeded(seed, device):
-        sequences = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            **({"do_sample": False} if greedy else
-               {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}),
-            max_new_tokens=int(max_new_tokens),
-            num_return_sequences=int(num_samples),
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            use_cache=True,
-            # A sharded model gathers its layers in every forward: all ranks must run the same number of
-            # generation steps, so finished ranks keep stepping until every rank is done.
-            synced_gpus=_sharded_across_ranks(model),
+        # Under a plan's traces (fake tensors) the rollout is the same for every setting searched: traced once,
+        # replayed after that (memory.replay). Anywhere else this is just the call.
+        sequences = shared_region(
+            "rollout.generate",
+            lambda: model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **sampling,
+                                   max_new_tokens=int(max_new_tokens), num_return_sequences=int(num_samples),
+                                   eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True, synced_gpus=synced),
+            inputs=(prompt_ids, prompt_mask),
+            key=lambda: (tuple(sorted(sampling.items())), int(max_new_tokens), int(num_samples), eos_id, pad_id,
+                         synced, module_fingerprint(model)),
         )
     if not isinstance(sequences, torch.Tensor):  # a GenerateOutput when the config asks for dicts
         sequences = sequences.sequences
