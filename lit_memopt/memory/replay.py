@@ -9,8 +9,9 @@ runs and records, through the tracker, every allocation and free it made, in ord
 in this trace or another, makes and frees fake tensors of the same sizes in the same order instead, and returns a
 tensor of the recorded output's layout (with its followed values, ``memory.worst_case``). The live bytes, the peaks
 of each phase and the allocation log that the reserved-memory model replays are then the ones the region would give:
-the same numbers at a small share of the cost (a 4-block tiny CRSP rollout: 28,301 allocation updates in 21.4 s
-of tracing). Per-module rows (``PeakEstimate.modules``) do not see a replayed region's module calls.
+the same numbers at a small share of the cost (the tiny CRSP recipe's proposer rollout, one block: 28,259 allocations
+and frees, traced in 19.9 s, replayed in 0.36 s on a 2-core CPU). Per-module rows (``PeakEstimate.modules``) do not
+see a replayed region's module calls.
 
 What keeps this exact is the key and what a recording must be. The key is the region's name, the phase it runs in,
 every input tensor's layout and followed values, and what the caller adds (its arguments, the model's
