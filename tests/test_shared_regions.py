@@ -167,5 +167,8 @@ def test_a_plans_traces_of_a_generation_recipe_give_the_same_numbers_shared() ->
     plain, _ = traced(False)
     shared, regions = traced(True)
     assert shared == plain
-    assert (regions.recorded, regions.replayed) == (1, 1), (regions.recorded, regions.replayed, regions.refused)
-    assert regions.refused == ["rollout.generate: it left 6 more tensor(s) alive than its output"]
+    # one rollout per block count traced in this process (a trace run in a forked copy records there, not here):
+    # the first setting's recorded, the second's replayed, the checkpointed one's refused
+    counts = (regions.recorded, regions.replayed, regions.refused)
+    assert regions.recorded >= 1 and regions.replayed == regions.recorded, counts
+    assert regions.refused == ["rollout.generate: it left 6 more tensor(s) alive than its output"] * regions.recorded, counts
