@@ -6,8 +6,9 @@ trace), and none of those settings changes them: generation runs under no gradie
 prompts. A module marks such a call with :func:`shared_region`; under :func:`sharing_regions` (entered by
 :func:`~lit_memopt.memory.step.estimate_peak` when given a :class:`SharedRegions`) the first call with a given key
 runs and records, through the tracker, every allocation and free it made, in order; a later call with the same key,
-in this trace or another, makes and frees fake tensors of the same sizes in the same order instead, and returns a
-tensor of the recorded output's layout (with its followed values, ``memory.worst_case``). The live bytes, the peaks
+in this trace or another, hands the tracker the same allocations and frees in the same order as bookkeeping
+(``StepTracker.replay_update``; only the output is made as a fake tensor) and returns a tensor of the recorded
+output's layout (with its followed values, ``memory.worst_case``). The live bytes, the peaks
 of each phase and the allocation log that the reserved-memory model replays are then the ones the region would give:
 the same numbers at a small share of the cost (the tiny CRSP recipe's proposer rollout, one block: 28,259 allocations
 and frees, traced in 19.9 s, replayed in 0.36 s on a 2-core CPU). Per-module rows (``PeakEstimate.modules``) do not
