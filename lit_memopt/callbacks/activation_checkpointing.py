@@ -27,7 +27,7 @@ __all__ = ["ActivationCheckpointing"]
 _WRAPPED_PREFIX = "." + CHECKPOINT_WRAPPED_MODULE
 
 
-class _SaveOnCpuWrapper(ActivationWrapper):
+class _HostOffloadWrapper(ActivationWrapper):
     """Run the wrapped module under ``offload()`` (``memory.offload.host_offload``): the tensors autograd saves,
     parameters excepted, go to host memory.
 
@@ -213,7 +213,7 @@ class ActivationCheckpointing(Callback):
                 )
             if offload_it:
                 # Outside the checkpoint wrapper: its saved inputs go to the host; inside it nothing else is saved.
-                wrapped = _SaveOnCpuWrapper(wrapped, hooks)
+                wrapped = _HostOffloadWrapper(wrapped, hooks)
             return wrapped
 
         # torch's own selection-and-wrap walk; the selection (outermost matches, every k-th) is ours.

@@ -259,109 +259,143 @@ def search_plans(
         offload: also search FSDP2 with CPU offload (``False`` for a CPU target, whose device is the host).
     """
     usable = int(memory_bytes * (1.0 - margin))
-    traces = _Traces(trace)
-    recipe = shape.recipe
-    g = shape.global_rows
-    # What the micro-batches cover: the step's rows, or a module's own passes over its step's sequences (CRSP). The
-    # sizes are its divisors and the recipe's own value, which need not divide it (its last pass is then short; rows
-    # x accumulation always divide); the passes cover it, never more sequences per pass than the step has.
-    covered = shape.step_sequences if shape.micro_batch_key and shape.step_sequences else g
-    sizes = [g] if shape.micro_batch_key == "" else sorted(set(divisors(covered)) | {recipe.micro_batch})
+    search = _PlanSearch(trace, shape, usable, device=device, use_reserved=use_reserved, offload=offload)
+    search.run()
+    return _rank(shape, memory_bytes, usable, margin, device, search.preds, search.recipe, search.preds[search.recipe],
+                 len(search.traces.done), search.floor)
 
-    def passes(m: int) -> int:
-        return -(-covered // m)
-    checkpointing = ([recipe.checkpointing] if shape.checkpointing is None
-                     else sorted({recipe.checkpointing, True, *shape.checkpoint_periods}, key=recompute_share))
-    if shape.world_size <= 1:
-        strategies = [(shape.strategy, shape.offload)]
-    else:
-        strategies = [(s, shape.offload if s == shape.strategy else False) for s in sorted({shape.strategy, "ddp", "fsdp2"} - {"single"})]
-    if offload and ("fsdp2", True) not in strategies:
-        strategies.append(("fsdp2", True))  # FSDP2 over the same devices (one included), state in host memory
-    strategies = sorted(set(strategies))
-    candidates = sorted(Candidate(m, passes(m), ck, st, off, shape.maths, recipe.activation_offload) for m in sizes
-                        for ck in checkpointing for st, off in strategies)
-    # The recipe's own parameter counts (for the time model), from its trace.
-    base = (traces.get(_setting(recipe), g, False) if recipe.accumulation == 1
-            else traces.get(_setting(recipe), recipe.micro_batch, True))
-    work = _work_from(base, shape)
 
-    def predict(c: Candidate, *, exact: bool = False) -> Prediction:
+class _PlanSearch:
+    """The state of one :func:`search_plans`: the grid of candidates, their traces and their predictions."""
+
+    def __init__(self, trace: Callable[..., PeakEstimate], shape: RecipeShape, usable: int, *, device: DeviceSpec,
+                 use_reserved: bool, offload: bool) -> None:
+        self.shape = shape
+        self.usable = usable
+        self.device = device
+        self.use_reserved = use_reserved
+        self.traces = _Traces(trace)
+        self.recipe = recipe = shape.recipe
+        self.g = g = shape.global_rows
+        # What the micro-batches cover: the step's rows, or a module's own passes over its step's sequences (CRSP).
+        # The sizes are its divisors and the recipe's own value, which need not divide it (its last pass is then
+        # short; rows x accumulation always divide); the passes cover it, never more sequences per pass than the
+        # step has.
+        self.covered = shape.step_sequences if shape.micro_batch_key and shape.step_sequences else g
+        self.sizes = [g] if shape.micro_batch_key == "" else sorted(set(divisors(self.covered)) | {recipe.micro_batch})
+        self.checkpointing = ([recipe.checkpointing] if shape.checkpointing is None
+                              else sorted({recipe.checkpointing, True, *shape.checkpoint_periods}, key=recompute_share))
+        if shape.world_size <= 1:
+            strategies = [(shape.strategy, shape.offload)]
+        else:
+            strategies = [(s, shape.offload if s == shape.strategy else False)
+                          for s in sorted({shape.strategy, "ddp", "fsdp2"} - {"single"})]
+        if offload and ("fsdp2", True) not in strategies:
+            strategies.append(("fsdp2", True))  # FSDP2 over the same devices (one included), state in host memory
+        self.strategies = sorted(set(strategies))
+        # The recipe's own parameter counts (for the time model), from its trace.
+        base = (self.traces.get(_setting(recipe), g, False) if recipe.accumulation == 1
+                else self.traces.get(_setting(recipe), recipe.micro_batch, True))
+        self.work = _work_from(base, shape)
+        self.preds: dict[Candidate, Prediction] = {}
+        self.floor = 0
+
+    def passes(self, m: int) -> int:
+        return -(-self.covered // m)
+
+    def grid(self, activation_offload: bool) -> list[Candidate]:
+        """Every candidate of the current sizes, checkpointing settings and strategies."""
+        return sorted(Candidate(m, self.passes(m), ck, st, off, self.shape.maths, activation_offload)
+                      for m in self.sizes for ck in self.checkpointing for st, off in self.strategies)
+
+    def predict(self, c: Candidate, *, exact: bool = False) -> Prediction:
         acc = c.accumulation > 1
         key = (_setting(c), c.micro_batch, acc)
-        if exact or key in traces.done:
-            est, traced = traces.get(*key), True
+        if exact or key in self.traces.done:
+            est, traced = self.traces.get(*key), True
         else:
-            est, traced = _interpolate(traces, _setting(c), c.micro_batch, acc), False
+            est, traced = _interpolate(self.traces, _setting(c), c.micro_batch, acc), False
         if c.strategy != "single":
-            est = per_rank_estimate(est, c.strategy, max(shape.world_size, 1), cpu_offload=c.offload,
-                                    replicated_bytes=min(shape.replicated_bytes, est.phase_breakdowns.get(
-                                        "optimizer step", {}).get("parameters", shape.replicated_bytes)))
-        peak = int(est.reserved_peak_bytes or est.peak_bytes) if use_reserved else int(est.peak_bytes)
-        return Prediction(c, peak, seconds(c, est.offloaded_bytes), traced, est)
+            est = per_rank_estimate(est, c.strategy, max(self.shape.world_size, 1), cpu_offload=c.offload,
+                                    replicated_bytes=min(self.shape.replicated_bytes, est.phase_breakdowns.get(
+                                        "optimizer step", {}).get("parameters", self.shape.replicated_bytes)))
+        peak = int(est.reserved_peak_bytes or est.peak_bytes) if self.use_reserved else int(est.peak_bytes)
+        return Prediction(c, peak, self.seconds(c, est.offloaded_bytes), traced, est)
 
-    def seconds(c: Candidate, offloaded: int = 0) -> float:
+    def seconds(self, c: Candidate, offloaded: int = 0) -> float:
         """The time model needs no trace of the candidate, only the recipe's, and for activation offload the bytes
         its trace copied (``offloaded``: 0 gives a lower bound, the time without the copies)."""
         # a trace is one micro-batch, or with a module's own micro-batches the whole step (all its passes)
-        per_micro_batch = offloaded / c.accumulation if shape.micro_batch_key else offloaded
+        per_micro_batch = offloaded / c.accumulation if self.shape.micro_batch_key else offloaded
         return step_seconds(dataclasses.replace(
-            work, tokens=c.micro_batch * shape.tokens_per_row, micro_batches=c.accumulation,
+            self.work, tokens=c.micro_batch * self.shape.tokens_per_row, micro_batches=c.accumulation,
             recompute=recompute_share(c.checkpointing), strategy=c.strategy, cpu_offload=c.offload,
-            activation_offload_bytes=float(per_micro_batch) if c.activation_offload else 0.0), device)
+            activation_offload_bytes=float(per_micro_batch) if c.activation_offload else 0.0), self.device)
 
-    def order(p: Prediction) -> tuple:
-        return (round(p.seconds, 12), len(changed_levers(p.candidate, recipe)), p.peak_bytes, p.candidate)
+    def order(self, p: Prediction) -> tuple:
+        return (round(p.seconds, 12), len(changed_levers(p.candidate, self.recipe)), p.peak_bytes, p.candidate)
 
-    # Probes: the recipe's batch unaccumulated, and the ends of the accumulating range, per setting.
-    def probe(setting: Setting) -> None:
-        traces.get(setting, g, False)
-        accumulating = [m for m in sizes if m < g]
+    def probe(self, setting: Setting) -> None:
+        """Trace a setting's probes: the recipe's batch unaccumulated, and the ends of the accumulating range."""
+        self.traces.get(setting, self.g, False)
+        accumulating = [m for m in self.sizes if m < self.g]
         if accumulating:
-            traces.get(setting, accumulating[0], True)
-            traces.get(setting, accumulating[-1], True)
+            self.traces.get(setting, accumulating[0], True)
+            self.traces.get(setting, accumulating[-1], True)
 
-    # Cheapest answers first. The recipe fits: nothing else can be faster (every lever adds work), so its own
-    # trace is the answer. The step with every lever does not fit: nothing does. Otherwise trace the rest.
-    recipe_fits = predict(recipe, exact=True).peak_bytes <= usable
-    floors = {(s, o): state_floor(predict(dataclasses.replace(recipe, strategy=s, offload=o)).estimate) for s, o in strategies}
-    floor = min(floors.values())
-    # The recipe's micro-batch and checkpointing under each strategy whose optimizer step leaves room: predicted
-    # from the recipe's own trace. When one fits, only candidates the time model puts before it need tracing.
-    at_recipe = [dataclasses.replace(recipe, strategy=s, offload=o) for (s, o), f in floors.items() if f <= usable]
-    fitting_at_recipe = [c for c in at_recipe if predict(c).peak_bytes <= usable]
-    bound = min((seconds(c) for c in fitting_at_recipe), default=None)
-    faster = [] if bound is None else [c for c in candidates if floors[(c.strategy, c.offload)] <= usable and seconds(c) < bound]
-    smallest = Candidate(sizes[0], passes(sizes[0]), max(checkpointing, key=recompute_share), recipe.strategy,
-                         recipe.offload, shape.maths, recipe.activation_offload)
-    if not recipe_fits and floor > usable:
-        # The optimizer step holds the weights, gradients, states and the update's temporaries whatever the
-        # micro-batch or checkpointing: when they alone pass the budget, no exact lever can help (one trace).
-        candidates = [dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
-    elif recipe_fits or (fitting_at_recipe and not faster):
-        # the recipe fits (nothing else can be faster: every lever adds work), or it fits under a strategy before
-        # which no other open candidate is predicted faster: its one trace is the answer
-        sizes = [recipe.micro_batch]
-        candidates = [c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)]
-    elif fitting_at_recipe:
-        # only the candidates predicted faster than the recipe's step under the best fitting strategy can beat it
-        for ck in sorted({c.checkpointing for c in faster}, key=recompute_share):
-            probe((ck, recipe.activation_offload))
-        candidates = sorted(set(faster) | {c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)})
-    else:
-        if all(predict(dataclasses.replace(smallest, strategy=s, offload=o), exact=True).peak_bytes > usable for s, o in strategies):
+    def run(self) -> None:
+        """Predict the candidates worth predicting into ``preds``, the fastest fitting ones traced."""
+        recipe, usable, strategies = self.recipe, self.usable, self.strategies
+        candidates = self.grid(recipe.activation_offload)
+        # Cheapest answers first. The recipe fits: nothing else can be faster (every lever adds work), so its own
+        # trace is the answer. The step with every lever does not fit: nothing does. Otherwise trace the rest.
+        recipe_fits = self.predict(recipe, exact=True).peak_bytes <= usable
+        floors = {(s, o): state_floor(self.predict(dataclasses.replace(recipe, strategy=s, offload=o)).estimate)
+                  for s, o in strategies}
+        self.floor = floor = min(floors.values())
+        # The recipe's micro-batch and checkpointing under each strategy whose optimizer step leaves room: predicted
+        # from the recipe's own trace. When one fits, only candidates the time model puts before it need tracing.
+        at_recipe = [dataclasses.replace(recipe, strategy=s, offload=o) for (s, o), f in floors.items() if f <= usable]
+        fitting_at_recipe = [c for c in at_recipe if self.predict(c).peak_bytes <= usable]
+        bound = min((self.seconds(c) for c in fitting_at_recipe), default=None)
+        faster = [] if bound is None else [c for c in candidates
+                                           if floors[(c.strategy, c.offload)] <= usable and self.seconds(c) < bound]
+        smallest = Candidate(self.sizes[0], self.passes(self.sizes[0]), max(self.checkpointing, key=recompute_share),
+                             recipe.strategy, recipe.offload, self.shape.maths, recipe.activation_offload)
+        same_step = [c for c in candidates if (c.micro_batch, c.checkpointing) == (recipe.micro_batch, recipe.checkpointing)]
+        if not recipe_fits and floor > usable:
+            # The optimizer step holds the weights, gradients, states and the update's temporaries whatever the
+            # micro-batch or checkpointing: when they alone pass the budget, no exact lever can help (one trace).
+            candidates = [dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
+        elif recipe_fits or (fitting_at_recipe and not faster):
+            # the recipe fits (nothing else can be faster: every lever adds work), or it fits under a strategy before
+            # which no other open candidate is predicted faster: its one trace is the answer
+            self.sizes = [recipe.micro_batch]
+            candidates = same_step
+        elif fitting_at_recipe:
+            # only the candidates predicted faster than the recipe's step under the best fitting strategy can beat it
+            for ck in sorted({c.checkpointing for c in faster}, key=recompute_share):
+                self.probe((ck, recipe.activation_offload))
+            candidates = sorted(set(faster) | set(same_step))
+        elif all(self.predict(dataclasses.replace(smallest, strategy=s, offload=o), exact=True).peak_bytes > usable
+                 for s, o in strategies):
             candidates = [dataclasses.replace(smallest, strategy=s, offload=o) for s, o in strategies] + [
                 dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
         else:
-            for ck in checkpointing:
-                probe((ck, recipe.activation_offload))
-    preds = {c: predict(c) for c in candidates}
+            for ck in self.checkpointing:
+                self.probe((ck, recipe.activation_offload))
+        self.preds = {c: self.predict(c) for c in candidates}
+        self.settle()
+        if self.shape.activation_offload is False and floor <= usable:
+            self.search_activation_offload(
+                [c for c in self.grid(True) if floors[(c.strategy, c.offload)] <= usable], smallest)
 
-    def settle() -> None:
+    def settle(self) -> None:
         """Trace the best interpolated candidates (and the fastest that does not fit, the plan's tightness) until the
         fastest fitting plan rests on a trace of its own."""
+        usable, preds = self.usable, self.preds
         for _ in range(len(preds)):
-            ranked = sorted(preds.values(), key=order)
+            ranked = sorted(preds.values(), key=self.order)
             fitting = [p for p in ranked if p.peak_bytes <= usable]
             todo = [p.candidate for p in fitting[:RETRACE] if not p.traced]
             missing = next((p for p in ranked if p.peak_bytes > usable), None)
@@ -369,84 +403,74 @@ def search_plans(
                 todo.append(missing.candidate)
             best = fitting[0] if fitting else None
             todo += [p.candidate for p in ranked if not p.traced and usable < p.peak_bytes <= usable * (1.0 + NEAR_MISS)
-                     and (best is None or order(p) < order(best))]
+                     and (best is None or self.order(p) < self.order(best))]
             if not todo:
                 return
             for c in todo:
                 for other in list(preds):  # a trace serves every strategy of the same step
                     if (_setting(other), other.micro_batch, other.accumulation) == (_setting(c), c.micro_batch, c.accumulation):
-                        preds[other] = predict(other, exact=True)
+                        preds[other] = self.predict(other, exact=True)
 
-    settle()
-    if shape.activation_offload is False and floor <= usable:
-        _search_activation_offload(preds, [dataclasses.replace(c, activation_offload=True) for c in sorted(
-            Candidate(m, passes(m), ck, st, off, shape.maths) for m in sizes for ck in checkpointing for st, off in strategies)
-            if floors[(c.strategy, c.offload)] <= usable], smallest, strategies, usable, predict, seconds, order, probe, settle,
-            per_step=bool(shape.micro_batch_key))
-    return _rank(shape, memory_bytes, usable, margin, device, preds, recipe, preds[recipe], len(traces.done), floor)
+    def search_activation_offload(self, grid: list[Candidate], smallest: Candidate) -> None:
+        """Add the activation-offload candidates of ``grid`` worth tracing to ``preds``: offloading only adds time
+        (host copies), so a candidate is open only where its twin without offload does not fit (or was never a
+        contender) and a lower bound of its time beats the fastest plan that fits. That bound is its time without the
+        copies until one candidate of its checkpointing setting is traced; then the copies are priced from that trace
+        (bytes in proportion to the rows of a micro-batch; with a module's own passes, as CRSP's, a trace is the
+        whole step whatever the pass size). The fastest open candidate is traced alone first, its whole setting only
+        if candidates stay open, one setting at a time: a generation recipe's trace is minutes, so most settings cost
+        one trace or none."""
+        preds, usable = self.preds, self.usable
+        per_step = bool(self.shape.micro_batch_key)
+        probed: set[Setting] = set()
+        sampled: dict[Setting, Prediction] = {}
+        if not any(p.peak_bytes <= usable for p in preds.values()):
+            # the smallest step with every lever, offloading too: when it does not fit, no offloading candidate does
+            ends = [dataclasses.replace(smallest, strategy=s, offload=o, activation_offload=True) for s, o in self.strategies]
+            ends = [c for c in ends if c in grid]
+            for c in ends:
+                preds[c] = self.predict(c, exact=True)
+                sampled.setdefault(_setting(c), preds[c])
+            if all(preds[c].peak_bytes > usable for c in ends):
+                return
 
+        def bound(c: Candidate) -> float:
+            sample = sampled.get(_setting(c))
+            if sample is None:
+                return self.seconds(c)
+            moved = sample.estimate.offloaded_bytes
+            return self.seconds(c, moved if per_step else moved * c.micro_batch // max(sample.candidate.micro_batch, 1))
 
-def _search_activation_offload(preds: dict[Candidate, Prediction], grid: list[Candidate], smallest: Candidate,
-                               strategies: list[tuple[str, bool]], usable: int, predict: Callable[..., Prediction],
-                               seconds: Callable[..., float], order: Callable[[Prediction], tuple],
-                               probe: Callable[[Setting], None], settle: Callable[[], None], per_step: bool) -> None:
-    """Add the activation-offload candidates worth tracing to ``preds``: offloading only adds time (host copies), so
-    a candidate is open only where its twin without offload does not fit (or was never a contender) and a lower
-    bound of its time beats the fastest plan that fits. That bound is its time without the copies until one candidate
-    of its checkpointing setting is traced; then the copies are priced from that trace (bytes in proportion to the
-    rows of a micro-batch; ``per_step``: a trace is the whole step, whatever the pass size, as with CRSP's own
-    passes). The fastest open candidate is traced alone first, its whole setting only if candidates stay open, one
-    setting at a time: a generation recipe's trace is minutes, so most settings cost one trace or none."""
-    probed: set[Setting] = set()
-    sampled: dict[Setting, Prediction] = {}
-    fitting = [p for p in preds.values() if p.peak_bytes <= usable]
-    if not fitting:
-        # the smallest step with every lever, offloading too: when it does not fit, no offloading candidate does
-        ends = [dataclasses.replace(smallest, strategy=s, offload=o, activation_offload=True) for s, o in strategies]
-        ends = [c for c in ends if c in grid]
-        for c in ends:
-            preds[c] = predict(c, exact=True)
-            sampled.setdefault(_setting(c), preds[c])
-        if all(preds[c].peak_bytes > usable for c in ends):
-            return
+        while True:
+            fitting = [p for p in preds.values() if p.peak_bytes <= usable]
+            best = min(fitting, key=self.order) if fitting else None
 
-    def bound(c: Candidate) -> float:
-        sample = sampled.get(_setting(c))
-        if sample is None:
-            return seconds(c)
-        moved = sample.estimate.offloaded_bytes
-        return seconds(c, moved if per_step else moved * c.micro_batch // max(sample.candidate.micro_batch, 1))
+            def is_open(c: Candidate) -> bool:
+                twin = preds.get(dataclasses.replace(c, activation_offload=False))
+                if twin is not None and twin.peak_bytes <= usable:
+                    return False  # it fits without: offloading would only add the copies
+                if c in preds and preds[c].traced:
+                    return False
+                return best is None or bound(c) < best.seconds
 
-    while True:
-        fitting = [p for p in preds.values() if p.peak_bytes <= usable]
-        best = min(fitting, key=order) if fitting else None
-
-        def is_open(c: Candidate) -> bool:
-            twin = preds.get(dataclasses.replace(c, activation_offload=False))
-            if twin is not None and twin.peak_bytes <= usable:
-                return False  # it fits without: offloading would only add the copies
-            if c in preds and preds[c].traced:
-                return False
-            return best is None or bound(c) < best.seconds
-
-        candidates = [c for c in grid if _setting(c) not in probed and is_open(c)]
-        if not candidates:
-            if best is not None and best.candidate.activation_offload:
-                # what the offload saves and costs: the same plan without it (one trace at most; it does not fit)
-                twin = dataclasses.replace(best.candidate, activation_offload=False)
-                preds.setdefault(twin, predict(twin))
-            return
-        first = min(candidates, key=lambda c: (bound(c), c))
-        setting = _setting(first)
-        if setting not in sampled:
-            preds[first] = sampled[setting] = predict(first, exact=True)
-            continue
-        probed.add(setting)
-        probe(setting)
-        for c in grid:
-            if _setting(c) == setting:
-                preds[c] = predict(c)
-        settle()
+            candidates = [c for c in grid if _setting(c) not in probed and is_open(c)]
+            if not candidates:
+                if best is not None and best.candidate.activation_offload:
+                    # what the offload saves and costs: the same plan without it (one trace at most; it does not fit)
+                    twin = dataclasses.replace(best.candidate, activation_offload=False)
+                    preds.setdefault(twin, self.predict(twin))
+                return
+            first = min(candidates, key=lambda c: (bound(c), c))
+            setting = _setting(first)
+            if setting not in sampled:
+                preds[first] = sampled[setting] = self.predict(first, exact=True)
+                continue
+            probed.add(setting)
+            self.probe(setting)
+            for c in grid:
+                if _setting(c) == setting:
+                    preds[c] = self.predict(c)
+            self.settle()
 
 
 def merge_variants(base: PlanResult, variants: Sequence[PlanResult]) -> PlanResult:
