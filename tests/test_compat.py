@@ -307,6 +307,30 @@ def _mem_tracker_state() -> None:
     assert record.size * record.element_size == 12 and record.mem_consumed == 12
 
 
+def _mod_tracker_pre_hook() -> None:
+    """The tracker's ModTracker registers its pre-forward hook as ``self._fw_pre_hook`` (the seam replaces it on the
+    instance): without grad, an input that requires grad is not kept alive by a multi-grad hook's reference cycle."""
+    import gc
+    import weakref
+
+    from lit_memopt.memory.tracker import StepTracker
+
+    _signature(type(StepTracker()._mod_tracker)._fw_pre_hook, "self", "mod", "input")
+    layer = torch.nn.Linear(4, 4)
+    enabled = gc.isenabled()
+    gc.disable()  # a cycle would be freed by the collector: only reference counting may free the input here
+    try:
+        with StepTracker(), torch.no_grad():
+            x = torch.ones(2, 4).requires_grad_()
+            layer(x)
+            alive = weakref.ref(x)
+            del x
+            assert alive() is None, "the tracker's module hooks keep a no-grad input that requires grad alive"
+    finally:
+        if enabled:
+            gc.enable()
+
+
 _TRACKER_METHODS = {
     "_track": ("self", "reftype", "t"),
     "_track_inputs_or_outputs": ("self", "args"),
@@ -478,6 +502,7 @@ TRIPWIRES: dict[str, Callable[..., None]] = {
     "torch.distributed._tools.mem_tracker._ModState": _mem_tracker_types,
     "torch.distributed._tools.mem_tracker._UpdateType": _mem_tracker_types,
     "torch.ops._c10d_functional.wait_tensor": _mem_tracker_types,
+    "ModTracker()._fw_pre_hook": _mod_tracker_pre_hook,
     **{f"MemTracker(){name}": _mem_tracker_state for name in (
         "._depth", "._mod_tracker", "._in_opt", "._in_ac", "._curr_mem_snap", "._peak_mem", "._peak_mem_snap",
         "._param_to_grad_hook_handles", "._WINFO")},

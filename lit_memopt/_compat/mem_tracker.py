@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from lit_memopt._compat.torch import tree_map
+
 # The tracker's enums, used by its hooks and snapshots: the category of a tracked tensor, a module's snapshot points
 # (pre/peak/post forward and backward), and what a bookkeeping update did (add, delete, resize).
 from torch.distributed._tools.mem_tracker import _MemRefType as MemRefType
@@ -37,6 +39,23 @@ class MemTrackerBase(MemTracker):
     Subclasses override :meth:`on_memory_update`, :meth:`pre_forward`, :meth:`track_parameters_and_buffers` and
     :meth:`update_peak_stats` (each defaults to the stock behaviour) and read the properties below.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # The tracker's ModTracker registers, in its pre-forward hook, a multi-grad hook on every module input that
+        # requires grad (to see the module's backward begin). Under no_grad there is no backward, yet transformers'
+        # gradient checkpointing marks the embedding output as requiring grad even in a rollout: each hook and its
+        # tensor then make a reference cycle, alive until Python's cycle collector runs, memory the real step never
+        # holds (measured: one embedding output per generated token). Without grad, the hook sees detached inputs.
+        mod_tracker = self._mod_tracker
+        stock = mod_tracker._fw_pre_hook
+
+        def pre_forward_hook(module: nn.Module, inputs: Any) -> Any:
+            if not torch.is_grad_enabled() and not mod_tracker.is_bw:
+                inputs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t, inputs)
+            return stock(module, inputs)
+
+        mod_tracker._fw_pre_hook = pre_forward_hook
 
     # ---------------------------------------------------------------- state
     @property
@@ -148,6 +167,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.ops._c10d_functional.wait_tensor": "wait_tensor_op",
     "MemTracker()._depth": "MemTrackerBase.depth",
     "MemTracker()._mod_tracker": "MemTrackerBase.in_backward",
+    "ModTracker()._fw_pre_hook": "MemTrackerBase.__init__",
     "MemTracker()._in_opt": "MemTrackerBase.in_optimizer_step",
     "MemTracker()._in_ac": "MemTrackerBase.in_activation_checkpoint",
     "MemTracker()._curr_mem_snap": "MemTrackerBase.current_snapshot",

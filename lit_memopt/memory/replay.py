@@ -26,33 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+import functools
+import gc
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
 
 from lit_memopt._compat.torch import disable_current_modes
+from lit_memopt.memory.stretch import PROBE_STEPS, Recording as _Recording, Template as _Template, template_from_probes
 
-__all__ = ["SharedRegions", "shared_region", "sharing_regions", "module_fingerprint"]
+__all__ = ["Repeats", "SharedRegions", "shared_region", "sharing_regions", "module_fingerprint"]
 
 _ACTIVE: contextvars.ContextVar["_Scope | None"] = contextvars.ContextVar("lit_memopt_shared_regions", default=None)
-
-
-@dataclass(frozen=True)
-class _Recording:
-    """What a region did: ``(+1, slot, bytes counted, device)`` / ``(-1, slot, 0, None)`` per allocation and free, in
-    order, the slot, storage size and layout of its output, the output's followed values, and the tokens it sampled."""
-
-    events: tuple[tuple[int, int, int, Any], ...]
-    out_slot: int
-    out_bytes: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-    value: torch.Tensor | None
-    sampled_tokens: int
 
 
 class _StandIn:
@@ -67,16 +54,26 @@ class _StandIn:
 class SharedRegions:
     """The recordings that the traces of one plan share (see the module docstring), with counts of what happened.
 
+    Args:
+        share: replay a recording for a later call with the same key (``False``: every call runs, or is stretched).
+        stretch: stretch a long loop (:class:`Repeats`) from short probes instead of running it.
+
     Attributes:
         recorded: regions traced and recorded.
         replayed: regions replayed from a recording.
-        refused: why a region could not be recorded, one line per key (that key then always runs in full).
+        stretched: loops replayed at their full length from a template of short probes.
+        refused: why a region could not be recorded or stretched, one line per key (that key then always runs in
+            full).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, share: bool = True, stretch: bool = True) -> None:
         self._recordings: dict[Hashable, _Recording | None] = {}
+        self._templates: dict[Hashable, _Template | None] = {}
+        self.share = share
+        self.stretch = stretch
         self.recorded = 0
         self.replayed = 0
+        self.stretched = 0
         self.refused: list[str] = []
 
     def __len__(self) -> int:
@@ -88,9 +85,10 @@ def module_fingerprint(module: torch.nn.Module) -> tuple:
     buffer's shape, dtype and ``requires_grad``, which submodules checkpoint their activations, its config and
     generation config, and (peft) its active adapters.
 
-    Measured why the checkpointing flags and the whole config count: the tiny Intuitor recipe's ``generate``, with
-    transformers' activation checkpointing on (which also turns ``use_cache`` off in the config, though the call
-    passes ``use_cache=True``), left six more tensors alive than with it off."""
+    Why the checkpointing flags and the whole config count: transformers' activation checkpointing turns ``use_cache``
+    off in the config (though the call passes ``use_cache=True``) and marks the embedding output as requiring grad,
+    even in a rollout (which once kept one embedding output per token alive in the tracker's hooks: fixed in
+    ``_compat.mem_tracker``)."""
     parts: list[Any] = [type(module).__qualname__, module.training]
     parts.append(tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in module.parameters()))
     parts.append(tuple((tuple(b.shape), b.dtype) for b in module.buffers()))
@@ -109,8 +107,18 @@ def module_fingerprint(module: torch.nn.Module) -> tuple:
     return tuple(parts)
 
 
+@dataclass(frozen=True)
+class Repeats:
+    """A region that is a loop: ``count`` steps, each one call of ``marker`` (a generation loop: one forward of the
+    input embedding per token), and ``run(k)`` the same region with ``k`` steps. See :mod:`memory.stretch`."""
+
+    count: int
+    run: Callable[[int], torch.Tensor]
+    marker: torch.nn.Module
+
+
 def shared_region(name: str, run: Callable[[], torch.Tensor], *, inputs: Sequence[torch.Tensor] = (),
-                  key: Callable[[], Hashable] = tuple) -> torch.Tensor:
+                  key: Callable[[], Hashable] = tuple, repeats: Repeats | None = None) -> torch.Tensor:
     """``run()``; inside a trace that shares regions, the recording of an earlier call with the same key, replayed.
 
     Outside :func:`sharing_regions` (training, a plain estimate) this is exactly ``run()``.
@@ -120,7 +128,9 @@ def shared_region(name: str, run: Callable[[], torch.Tensor], *, inputs: Sequenc
         run: the region: a function of no arguments returning one tensor.
         inputs: the tensors it reads; their layouts and followed values are part of the key.
         key: a function returning everything else its memory depends on, hashable (called only when sharing):
-            its arguments, and :func:`module_fingerprint` of the model it runs.
+            its arguments, and :func:`module_fingerprint` of the model it runs; not ``repeats.count``.
+        repeats: the region is a loop of ``repeats.count`` steps: a long one is stretched from short probes
+            (:mod:`memory.stretch`) rather than traced step by step.
 
     Example::
 
@@ -130,7 +140,7 @@ def shared_region(name: str, run: Callable[[], torch.Tensor], *, inputs: Sequenc
     scope = _ACTIVE.get()
     if scope is None:
         return run()
-    return scope.call(name, run, inputs, key)
+    return scope.call(name, run, inputs, key, repeats)
 
 
 @contextlib.contextmanager
@@ -149,22 +159,85 @@ class _Scope:
         self.regions, self.tracker, self.values = regions, tracker, values
 
     def call(self, name: str, run: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor],
-             key: Callable[[], Hashable]) -> torch.Tensor:
+             key: Callable[[], Hashable], repeats: Repeats | None = None) -> torch.Tensor:
+        regions = self.regions
         full_key = (name, self.tracker.current_phase(), tuple(self._describe(t) for t in inputs), key())
-        recordings = self.regions._recordings
-        if full_key not in recordings:
+        if repeats is not None and regions.stretch and repeats.count > max(PROBE_STEPS):
+            return self._stretched(name, full_key, run, repeats)
+        if repeats is not None:
+            full_key = (*full_key, repeats.count)
+        recordings = regions._recordings
+        if full_key not in recordings or not regions.share:
             out, recording, refusal = self._record(run)
-            recordings[full_key] = recording
+            if regions.share:
+                recordings[full_key] = recording
             if recording is None:
-                self.regions.refused.append(f"{name}: {refusal}")
+                regions.refused.append(f"{name}: {refusal}")
             else:
-                self.regions.recorded += 1
+                regions.recorded += 1
             return out
         recording = recordings[full_key]
         if recording is None:
             return run()
-        self.regions.replayed += 1
+        regions.replayed += 1
         return self._replay(recording)
+
+    def _stretched(self, name: str, full_key: Hashable, run: Callable[[], torch.Tensor], repeats: Repeats) -> torch.Tensor:
+        """The loop at its full length, replayed from the template of its short probes (made on the first call)."""
+        templates = self.regions._templates
+        if full_key not in templates or not self.regions.share:
+            template, refusal = self._probe_template(repeats)
+            if self.regions.share:
+                templates[full_key] = template
+            if template is None:
+                self.regions.refused.append(f"{name} (stretched): {refusal}")
+        else:
+            template = templates[full_key]
+        if template is None:
+            return run()
+        self.regions.stretched += 1
+        return self._replay(template.recording(repeats.count))
+
+    def _probe_template(self, repeats: Repeats) -> tuple[_Template | None, str]:
+        """Run the loop at each of :data:`PROBE_STEPS` steps, recording it and where each step starts, and leave the
+        tracker's counts as they were (the probes are measurements, not part of the step); their template, or why
+        there is none."""
+        saved = self.tracker.save_counts()
+        live = self._live()
+        sampled = getattr(self.values, "sampled_tokens", 0)
+        probes: list[tuple[_Recording, list[int]]] = []
+        refusal = ""
+        for k in PROBE_STEPS:
+            starts: list[int] = []
+            events: list[Any] = []
+
+            def mark(module: torch.nn.Module, args: Any, starts: list[int] = starts, events: list[Any] = events) -> None:
+                starts.append(len(events))
+
+            handle = repeats.marker.register_forward_pre_hook(mark)
+            try:
+                out, recording, refusal = self._record(functools.partial(repeats.run, k), events)
+            finally:
+                handle.remove()
+            del out  # freed now: the probe leaves nothing alive
+            if recording is None:
+                break
+            probes.append((recording, starts))
+        if self._live() != live:
+            gc.collect()  # a reference cycle in the loop's outputs
+        if self._live() != live:
+            # cannot happen for a recorded probe (it leaves only its output); a refused one is not stretched anyway
+            refusal = refusal or "its probes left memory alive"
+            probes.clear()
+        self.tracker.restore_counts(saved)
+        if self.values is not None:
+            self.values.sampled_tokens = sampled
+        if len(probes) < len(PROBE_STEPS):
+            return None, refusal
+        return template_from_probes(PROBE_STEPS, probes)
+
+    def _live(self) -> int:
+        return sum(int(d.get("Total", 0)) for d in self.tracker.current_snapshot.values())
 
     def _value(self, t: torch.Tensor) -> torch.Tensor | None:
         return None if self.values is None else self.values.value_of(t)
@@ -176,11 +249,12 @@ class _Scope:
                 value = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, str(t.device), value
 
-    def _record(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, _Recording | None, str]:
+    def _record(self, run: Callable[[], torch.Tensor], events: list[tuple[int, int, int, Any]] | None = None,
+                ) -> tuple[torch.Tensor, _Recording | None, str]:
         # imported here: the tracker's module pulls in torch.distributed, which training a rollout does not need
         from lit_memopt._compat.mem_tracker import MemRefType, UpdateType
 
-        events: list[tuple[int, int, int, Any]] = []
+        events = [] if events is None else events
         live: dict[int, int] = {}  # id(tracker record) -> slot, for the storages the region made and still holds
         refusals: list[str] = []
         made = 0  # slots are numbered in the order the region made its storages
@@ -240,7 +314,7 @@ class _Scope:
         held: dict[int, Any] = {}
         out_slot, dtype = recording.out_slot, recording.dtype
         out = None
-        for sign, slot, nbytes, device in recording.events:
+        for sign, slot, nbytes, device in recording.events:  # (a stretched loop's are made as they are read)
             if sign < 0:
                 record = held.pop(slot)
                 if record is not None:

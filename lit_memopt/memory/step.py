@@ -333,7 +333,9 @@ def estimate_peak(
             ``max_new_tokens`` (``memory.worst_case``). ``None``: shapes only; a step that reads values fails.
         shared_regions: a :class:`~lit_memopt.memory.replay.SharedRegions` that the traces of one plan share: the
             step's ``shared_region`` calls (rollouts) are recorded into it, or replayed from an earlier trace's
-            recording (``memory.replay``). ``None``: every region runs.
+            recording (``memory.replay``). ``None``: this trace's own (on fake tensors), so that a long generation
+            loop is stretched from short probes (``memory.stretch``); ``SharedRegions(share=False, stretch=False)``:
+            every region runs in full.
 
     Returns:
         A :class:`PeakEstimate`.
@@ -397,6 +399,7 @@ def estimate_peak(
             # The value mode goes inside the tracker: the tensors it creates for value-dependent shapes are counted.
             with _standalone(module, optimizers), tracker, values if values is not None else contextlib.nullcontext(), \
                     (sharing_regions(shared_regions, tracker, values) if shared_regions is not None
+                     else sharing_regions(SharedRegions(), tracker, values) if mode is not None
                      else contextlib.nullcontext()):
                 tracker.mark_phase_start("setup")
                 _run_training_step(module, batch, optimizers, tracker, batch_idx)

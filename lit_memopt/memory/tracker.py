@@ -198,6 +198,26 @@ class StepTracker(MemTrackerBase):
         if u_type == UpdateType.ADD:
             self._after_op()
 
+    def save_counts(self) -> tuple:
+        """The peaks, phase peaks and allocation log as they are now, for :meth:`restore_counts`: ``memory.replay``
+        runs a loop a few times to measure it (``memory.stretch``), and those runs must not count in the step.
+        Per-module rows are not saved (they are not exact under replay either)."""
+        return ({d: dict(s) for d, s in self.peak_snapshot.items()}, dict(self.peak_bytes), self.peak_phase,
+                dict(self.phase_peaks), {k: dict(v) for k, v in self.phase_breakdowns.items()},
+                None if self.allocation_log is None else len(self.allocation_log), self._grew, self._last_phase)
+
+    def restore_counts(self, saved: tuple) -> None:
+        """Put back what :meth:`save_counts` saved. Every storage made since must have been freed (its frees leave the
+        live bytes as they were; its entries in the allocation log are dropped)."""
+        snapshot, peaks, self.peak_phase, phase_peaks, breakdowns, log_length, self._grew, self._last_phase = saved
+        self.peak_snapshot.clear()
+        self.peak_snapshot.update(snapshot)
+        self.peak_bytes.clear()
+        self.peak_bytes.update(peaks)
+        self.phase_peaks, self.phase_breakdowns = phase_peaks, breakdowns
+        if log_length is not None:
+            del self.allocation_log[log_length:]
+
     def track_parameters_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool) -> tuple[int, int]:
         # The stock version registers gradient hooks on every parameter, which fails on frozen
         # ones (a reference model, a reward model): those get no hook, they never get a gradient.

@@ -14,6 +14,7 @@ position ``t`` holds the quantity for token ``input_ids[:, t]`` predicted from t
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -22,7 +23,7 @@ import torch
 from lit_memopt.models import decoder_hidden_states, lm_head_weight
 from lit_memopt.models.tokens import left_pad
 from lit_memopt.models.adapters import is_peft_model, reference_model as reference_network
-from lit_memopt.memory.replay import module_fingerprint, shared_region
+from lit_memopt.memory.replay import Repeats, module_fingerprint, shared_region
 
 __all__ = [
     "Rollout",
@@ -146,6 +147,15 @@ def _sharded_across_ranks(model: torch.nn.Module) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and is_fsdp_sharded(model)
 
 
+def _sliding_window(model: torch.nn.Module) -> bool:
+    """Whether any attention layer of ``model`` keeps a sliding window of the cache (its memory stops growing)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    types = getattr(config, "layer_types", None) or ()
+    return bool(getattr(config, "use_sliding_window", False)) or any("sliding" in str(t) for t in types)
+
+
 def generate(
     model: torch.nn.Module,
     prompts: Sequence[str] | Sequence[Sequence[int]] | torch.Tensor,
@@ -249,14 +259,23 @@ def generate(
     with torch.no_grad(), _eval_mode(model), _seeded(seed, device):
         # Under a plan's traces (fake tensors) the rollout is the same for every setting searched: traced once,
         # replayed after that (memory.replay). Anywhere else this is just the call.
+        def run(new_tokens: int) -> torch.Tensor:
+            return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **sampling,
+                                  max_new_tokens=new_tokens, num_return_sequences=int(num_samples),
+                                  eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True, synced_gpus=synced)
+
+        # A long rollout is stretched from three short ones (memory.stretch), where each token's step is the last's
+        # with a longer cache: not with a sliding-window cache, which stops growing at its window.
+        marker = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        repeats = (Repeats(int(max_new_tokens), run, marker)
+                   if isinstance(marker, torch.nn.Module) and not _sliding_window(model) else None)
         sequences = shared_region(
             "rollout.generate",
-            lambda: model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **sampling,
-                                   max_new_tokens=int(max_new_tokens), num_return_sequences=int(num_samples),
-                                   eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True, synced_gpus=synced),
+            functools.partial(run, int(max_new_tokens)),
             inputs=(prompt_ids, prompt_mask),
-            key=lambda: (tuple(sorted(sampling.items())), int(max_new_tokens), int(num_samples), eos_id, pad_id,
-                         synced, module_fingerprint(model)),
+            key=lambda: (tuple(sorted(sampling.items())), int(num_samples), eos_id, pad_id, synced,
+                         module_fingerprint(model)),
+            repeats=repeats,
         )
     if not isinstance(sequences, torch.Tensor):  # a GenerateOutput when the config asks for dicts
         sequences = sequences.sequences

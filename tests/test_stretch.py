@@ -1,0 +1,117 @@
+"""A long loop stretched from three short probes (``memory.stretch``): the estimate it gives is the one tracing the
+whole loop gives, a loop whose steps are not regular is refused and traced in full, and the probes leave nothing
+behind in the step's numbers."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_memopt.memory.replay import Repeats, SharedRegions, shared_region
+from lit_memopt.memory.step import estimate_peak
+
+FILLER = 7
+
+
+class _Loop(pl.LightningModule):
+    """A step whose region is a decoding-like loop: each step runs ``marker``, appends a row block to a cache (a new,
+    larger storage, the old one freed) and a column to the ids; ``irregular`` makes the 8th step allocate more."""
+
+    def __init__(self, steps: int, irregular: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.marker = torch.nn.Identity()
+        self.steps, self.irregular = steps, irregular
+        self.loops: list[int] = []
+
+    def loop(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        self.loops.append(n)
+        cache = torch.zeros(0, 8)
+        x = torch.ones(4, 8)
+        for t in range(n):
+            x = self.marker(x)
+            cache = torch.cat([cache, self.lin(x)])
+            if self.irregular and t == 7:
+                spike = torch.ones(4096)
+                del spike
+            ids = torch.cat([ids, torch.full((ids.shape[0], 1), FILLER)], dim=1)
+        return ids
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["ids"]
+        with torch.no_grad():
+            out = shared_region("loop", lambda: self.loop(ids, self.steps), inputs=(ids,),
+                                repeats=Repeats(self.steps, lambda k: self.loop(ids, k), self.marker))
+        rows = int(out[0, -1].item()) + out.shape[1]  # values and length the stretched output must give back
+        return self.lin(torch.ones(rows, 8)).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _numbers(est) -> tuple:  # noqa: ANN001
+    return est.peak_bytes, est.reserved_peak_bytes, est.phase_peaks, est.phase_breakdowns, est.worst_case_tokens
+
+
+def _estimate(steps: int, regions: SharedRegions, irregular: bool = False) -> tuple:
+    holder: list[_Loop] = []
+
+    def build() -> _Loop:
+        holder.append(_Loop(steps, irregular))
+        return holder[0]
+
+    est = estimate_peak(build, {"ids": torch.arange(6).reshape(2, 3)}, worst_case_filler=FILLER, shared_regions=regions)
+    return est, holder[0].loops
+
+
+@pytest.mark.parametrize("steps", [9, 25, 60])
+def test_a_stretched_loop_gives_the_traced_estimate(steps: int) -> None:
+    full, loops = _estimate(steps, SharedRegions(share=False, stretch=False))
+    assert loops == [steps]
+    regions = SharedRegions()
+    stretched, probes = _estimate(steps, regions)
+    assert probes == [6, 7, 8], "only the probes run"
+    assert (regions.stretched, regions.refused) == (1, [])
+    assert _numbers(stretched) == _numbers(full)
+    # the loop's cache is the step's peak, and grows with its length: the stretch had to make it
+    assert _numbers(full) != _numbers(_estimate(8, SharedRegions(share=False, stretch=False))[0])
+
+
+def test_a_loop_with_an_irregular_step_is_refused_and_traced_in_full() -> None:
+    full, _ = _estimate(20, SharedRegions(share=False, stretch=False), irregular=True)
+    regions = SharedRegions()
+    est, loops = _estimate(20, regions, irregular=True)
+    assert loops == [6, 7, 8, 20]
+    assert regions.stretched == 0
+    assert regions.refused == ["loop (stretched): its events at 8 steps are not those the shorter runs predict"]
+    assert _numbers(est) == _numbers(full), "the probes left something in the step's numbers"
+
+
+def test_a_short_loop_runs_as_it_is() -> None:
+    regions = SharedRegions()
+    _, loops = _estimate(8, regions)
+    assert loops == [8] and regions.stretched == 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_intuitors_rollouts_stretched_give_the_traced_estimate(checkpointing: bool) -> None:
+    """The tiny Intuitor recipe's step (its rollouts are ``rollout.generate``, 14 new tokens), through a plan's tracer,
+    with transformers' activation checkpointing and without: the same numbers stretched and traced in full."""
+    from lit_memopt import cli
+    from lit_memopt.cli_plan import PlanTracer
+
+    cfg = cli.compose_config(["recipe=intuitor", "module.warm_start.steps=0", "module.max_new_tokens=14",
+                              "plan.device=cpu", "safety_margin=0"])
+
+    def traced(regions: SharedRegions) -> tuple:
+        tracer = PlanTracer(cfg, cpu_target=True)
+        tracer.shared_regions = regions
+        try:
+            return _numbers(tracer(checkpointing, tracer.recipe_shape(4).rows, False))
+        finally:
+            tracer.close()
+
+    regions = SharedRegions()
+    assert traced(regions) == traced(SharedRegions(share=False, stretch=False))
+    assert regions.stretched >= 1 and regions.refused == []
