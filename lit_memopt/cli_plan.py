@@ -329,7 +329,8 @@ def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any
                               margin=opts["margin"], use_reserved=not cpu_target, offload=not cpu_target)
     finally:
         tracer.close()
-    result.shared_regions = (tracer.shared_regions.recorded, tracer.shared_regions.replayed)
+    regions = tracer.shared_regions
+    result.shared_regions = (regions.recorded, regions.replayed, regions.stretched)
     return result
 
 
@@ -420,9 +421,10 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
             levers = levers or "none (the recipe)"
             print(f"{i:>2}  {_describe(p, shape):<{width}} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
                   f"{p.relative_time:>8.2f}×  {'traced' if p.traced else 'interpolated':<12} {levers}", file=out)
-        recorded, replayed = result.shared_regions
-        shared = (f" (their rollouts: {recorded} generate calls traced, {replayed} replayed from those)" if replayed
-                  else "")
+        recorded, replayed, stretched = result.shared_regions
+        rollouts = ([f"{recorded} generate calls traced, {replayed} replayed from those"] if replayed else []) + (
+            [f"{stretched} made from short runs (memory.stretch)"] if stretched else [])
+        shared = f" (their rollouts: {'; '.join(rollouts)})" if rollouts else ""
         print(f"Step time is relative to the recipe as given ({result.device.name}, memory.plan_time); "
               f"{result.traces} steps traced{shared}.", file=out)
         if result.fastest_not_fitting is not None:

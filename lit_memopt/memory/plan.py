@@ -153,8 +153,9 @@ class PlanResult:
     traces: int
     floor_bytes: int = 0  # live bytes of the optimizer step that no exact lever changes (a lower bound on every plan)
     predictions: list[Prediction] = field(default_factory=list)  # every candidate predicted, fastest first
-    # (recorded, replayed): rollouts traced once and replayed in the other traces (memory.replay), set by the caller
-    shared_regions: tuple[int, int] = (0, 0)
+    # (recorded, replayed, stretched): rollouts traced once and replayed in the other traces (memory.replay), and
+    # long ones made from short runs (memory.stretch), set by the caller
+    shared_regions: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def fits(self) -> bool:

@@ -163,8 +163,10 @@ class _Scope:
         regions = self.regions
         full_key = (name, self.tracker.current_phase(), tuple(self._describe(t) for t in inputs), key())
         if repeats is not None and regions.stretch and repeats.count > max(PROBE_STEPS):
-            return self._stretched(name, full_key, run, repeats)
-        if repeats is not None:
+            out = self._stretched(name, full_key, repeats)
+            if out is not None:
+                return out
+        if repeats is not None:  # a loop too short to stretch, or refused: recorded and replayed at its length
             full_key = (*full_key, repeats.count)
         recordings = regions._recordings
         if full_key not in recordings or not regions.share:
@@ -182,8 +184,9 @@ class _Scope:
         regions.replayed += 1
         return self._replay(recording)
 
-    def _stretched(self, name: str, full_key: Hashable, run: Callable[[], torch.Tensor], repeats: Repeats) -> torch.Tensor:
-        """The loop at its full length, replayed from the template of its short probes (made on the first call)."""
+    def _stretched(self, name: str, full_key: Hashable, repeats: Repeats) -> torch.Tensor | None:
+        """The loop at its full length, replayed from the template of its short probes (made on the first call);
+        ``None`` where it has none (the probes were refused)."""
         templates = self.regions._templates
         if full_key not in templates or not self.regions.share:
             template, refusal = self._probe_template(repeats)
@@ -194,7 +197,7 @@ class _Scope:
         else:
             template = templates[full_key]
         if template is None:
-            return run()
+            return None
         self.regions.stretched += 1
         return self._replay(template.recording(repeats.count))
 
