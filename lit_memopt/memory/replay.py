@@ -28,7 +28,7 @@ import contextlib
 import contextvars
 import functools
 import gc
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -240,7 +240,9 @@ class _Scope:
         return template_from_probes(PROBE_STEPS, probes)
 
     def _live(self) -> int:
-        return sum(int(d.get("Total", 0)) for d in self.tracker.current_snapshot.values())
+        from lit_memopt.memory.tracker import snapshot_total  # (imported here, as in _record)
+
+        return snapshot_total(self.tracker.current_snapshot)
 
     def _value(self, t: torch.Tensor) -> torch.Tensor | None:
         return None if self.values is None else self.values.value_of(t)
