@@ -130,3 +130,23 @@ def test_intuitors_rollouts_stretched_give_the_traced_estimate(checkpointing: bo
     stretched, full = traced(True), traced(False)
     assert stretched[:5] == full[:5]
     assert stretched[5] >= 1 and stretched[6] == [] and full[5] == 0
+
+
+def test_a_sliding_window_cache_is_never_stretched() -> None:
+    """Its memory stops growing at the window, which probes of 6 to 8 tokens cannot see: ``generate`` passes no
+    ``Repeats`` for such a model."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    from lit_memopt.modules.rollout import _sliding_window
+
+    def model(config: object) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.config = config
+        return m
+
+    small = dict(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    assert not _sliding_window(model(Qwen3Config(**small)))
+    assert _sliding_window(model(Qwen2Config(**small, use_sliding_window=True, sliding_window=4, max_window_layers=0)))
+    assert _sliding_window(model(Qwen3Config(**small, layer_types=["sliding_attention", "full_attention"])))
+    assert not _sliding_window(torch.nn.Linear(2, 2))
