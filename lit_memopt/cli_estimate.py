@@ -23,6 +23,7 @@ from lit_memopt.memory.blocks import (
     CHECK_BLOCKS,
     SHIFTED_CHECK_BLOCKS,
     LinearityError,
+    ReservedPastDeviceError,
     estimate_with_blocks,
 )
 from lit_memopt.memory.fake import adopt_fakes
@@ -308,6 +309,10 @@ def _options(cfg: Any) -> dict[str, Any]:
     }
 
 
+# Above this share of the allocated peak, a reserved figure modelled without a device size gets a note.
+RESERVED_NOTE_RATIO = 1.5
+
+
 class _Estimator:
     """One recipe's module (built once) and a cache of its estimates by batch size."""
 
@@ -332,6 +337,7 @@ class _Estimator:
         self.blocks = (min(total, SHIFTED_CHECK_BLOCKS * p)
                        if total is not None and total > CHECK_BLOCKS * p and total % p == 0 else None)
         self.run = build_fake_run(cfg, self.blocks, self.checkpointing_callbacks)
+        self.whole_run: Any = None  # built when one step must be traced whole (ReservedPastDeviceError)
         if any(c.offload_to_cpu for c in self.checkpointing_callbacks):
             # The first block's input is the embedding output, which the decoder keeps for its whole forward, so an
             # offloaded 1-block step is off the line through longer ones: the check finds that kink and moves the
@@ -344,6 +350,9 @@ class _Estimator:
         self.cache: dict[int | None, PeakEstimate] = {}
         # A plan's traces share their rollouts (memory.replay): set by cli_plan.PlanTracer, one for all its estimators.
         self.shared_regions: Any = None
+        # The device the allocator model releases its cache at (memory.step.estimate_peak's device_bytes): set by
+        # estimate_recipe from gpu_memory for a one-device step; None: no limit.
+        self.device_bytes: int | None = None
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
         self.worst_case_filler: int | None = None
         if getattr(self.run.module, "generates_until_eos", False):
@@ -352,9 +361,16 @@ class _Estimator:
 
     def close(self) -> None:
         """Stop what ``build_fake_run`` started (CRSP's sandbox workers)."""
-        module = self.run.module
-        if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
-            module.teardown("validate")
+        for run in (self.run, self.whole_run):
+            module = getattr(run, "module", None)
+            if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
+                module.teardown("validate")
+
+    def _whole_model(self) -> Any:
+        """The recipe built with all its blocks, once, beside the truncated one the extrapolation keeps using."""
+        if self.whole_run is None:
+            self.whole_run = build_fake_run(self.cfg, None, self.checkpointing_callbacks)
+        return self.whole_run
 
     def _filler(self) -> int:
         module = self.run.module
@@ -380,7 +396,8 @@ class _Estimator:
         if rows in self.cache:
             return self.cache[rows]
         kwargs: dict[str, Any] = {"optimizer_foreach": self.optimizer_foreach, "worst_case_filler": self.worst_case_filler,
-                                  "accumulating": self.accumulating, "shared_regions": self.shared_regions}
+                                  "accumulating": self.accumulating, "shared_regions": self.shared_regions,
+                                  "device_bytes": self.device_bytes}
         est = None
         if self.blocks is not None:
             try:
@@ -390,6 +407,12 @@ class _Estimator:
                 est = estimate_with_blocks(self.run.module, batch, self.total_blocks, built_blocks=self.blocks,
                                            check=self.check if check is None else check, parallel=parallel,
                                            period=self.period, **kwargs)
+            except ReservedPastDeviceError as exc:
+                # This step only: other batch sizes may stay clear of the device's size.
+                self.notes.append(f"{exc}; traced all {self.total_blocks} blocks for "
+                                  f"{'the recipe' if rows is None else f'a micro-batch of {rows}'}")
+                est = estimate_peak(self._whole_model().module, batch, **kwargs)
+                est.num_blocks = self.total_blocks
             except LinearityError as exc:
                 self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
                 self.blocks = None
@@ -418,6 +441,10 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     estimator = _Estimator(cfg, opts["check"], opts["per_rank"], opts["cpu_offload"])
+    if opts["gpu_bytes"] is not None and opts["per_rank"] is None:
+        # The fit is judged on the usable bytes: the allocator model releases its cache there, as a real one does at
+        # the device's size. (Per rank the trace is the whole model's, so no device size applies to it.)
+        estimator.device_bytes = int(opts["gpu_bytes"] * (1.0 - opts["margin"]))
     try:
         batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
         estimate = estimator.estimate(batch, None)
@@ -434,6 +461,12 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
             fit = largest_micro_batch(reserved_for, opts["gpu_bytes"], safety_margin=opts["margin"])
     finally:
         estimator.close()
+    if estimate.device_bytes is None and (estimate.reserved_peak_bytes or 0) > RESERVED_NOTE_RATIO * estimate.peak_bytes:
+        estimator.notes.append(
+            f"the reserved figure is {estimate.reserved_peak_bytes / max(estimate.peak_bytes, 1):.1f}x the allocated one "
+            "because the allocator model had no device size: it keeps new segments for tensors that outgrow the freed "
+            "ones (a cache one token longer every step), where a real allocator releases its cache at the device's "
+            "size. Add gpu_memory= (one device) to model that")
     measured, device = None, "cpu"
     # A real run stops at end-of-sequence: it measures a different step from the worst case.
     if torch.cuda.is_available() and estimate.worst_case_tokens is None and opts["per_rank"] is None:

@@ -199,7 +199,16 @@ def _cli(args: list[str], tmp_path, capsys) -> tuple[int, str, str]:  # noqa: AN
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    import lit_memopt.cli_estimate as cli_estimate
+
+    devices = []  # the device size every trace's allocator model got: the usable bytes
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        devices.append(kwargs.get("device_bytes"))
+        return estimate_peak(*args, **kwargs)
+
+    monkeypatch.setattr(cli_estimate, "estimate_peak", spy)
     smaller = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=64", "model.arch.intermediate_size=128",
                "model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=1", "model.arch.head_dim=32"]
     args = ["recipe=sft", "model=tiny_qwen3", *smaller, "batch_size=2", "seq_len=32", "data.num_train=32", "data.num_val=8"]
@@ -213,6 +222,7 @@ def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys) -
     assert found, out
     size, peak, next_peak = int(found.group(1)), float(found.group(2)), float(found.group(3))
     assert size > 2 and peak <= 12.8 < next_peak
+    assert len(devices) >= 3 and set(devices) == {int(16 * 2**20 * 0.8)}, devices
 
 
 def test_cli_estimate_rejects_bad_names_and_sizes(tmp_path, capsys) -> None:  # noqa: ANN001

@@ -93,3 +93,83 @@ def test_reserved_peak_replays_events() -> None:
     events = [(1, 1, 5 * MIB), (1, 2, 5 * MIB), (-1, 1, 5 * MIB), (1, 3, 4 * MIB), (1, 4, 0), (-1, 2, 5 * MIB)]
     assert reserved_peak(events) == 20 * MIB  # all inside one 20 MiB segment, the freed block reused
     assert reserved_peak([(1, 1, 11 * MIB), (-1, 1, 11 * MIB), (1, 2, 13 * MIB)]) == 12 * MIB + 14 * MIB
+
+
+def _growing_caches(blocks: int, steps: int = 8):
+    """A LightningModule whose step grows one cache per block a few rows at a time under no_grad (a rollout's KV
+    caches), then trains its blocks: without a device size the allocator model keeps a new segment for every longer
+    cache, far above what is live."""
+    import lightning.pytorch as pl
+    import torch
+
+    class GrowingCaches(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(blocks))
+
+        def training_step(self, batch, batch_idx):
+            with torch.no_grad():
+                caches = [torch.zeros(4096, 1024) for _ in self.layers]  # 16 MiB each
+                for _ in range(steps):  # 2 MiB longer each step: never fits a freed segment
+                    caches = [torch.cat([c, torch.zeros(512, 1024)]) for c in caches]
+            x = batch + sum(c[0, :64] for c in caches)
+            del caches
+            for layer in self.layers:
+                x = layer(x)
+            return x.square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return GrowingCaches()
+
+
+def test_a_device_size_stops_a_growing_cache_from_reserving_without_limit() -> None:
+    import torch
+
+    from lit_memopt.memory import estimate_peak, fake_mode
+
+    batch = torch.randn(8, 64)
+
+    def estimate(device_bytes):
+        with fake_mode():
+            module = _growing_caches(4)
+        return estimate_peak(module, batch, device_bytes=device_bytes)
+
+    unlimited = estimate(None)
+    assert unlimited.device_bytes is None
+    assert unlimited.reserved_peak_bytes > 3 * unlimited.peak_bytes  # a segment per cache length per block
+    roomy = 2 * unlimited.peak_bytes
+    on_device = estimate(roomy)
+    assert on_device.peak_bytes == unlimited.peak_bytes and on_device.device_bytes == roomy
+    # the cache is released at the device's size: reserved stays within it, and holds at least what is live
+    assert unlimited.peak_bytes <= on_device.reserved_peak_bytes <= roomy
+    # a device smaller than what is live: even a released cache is not enough, and the figure says so
+    tight = unlimited.peak_bytes // 2
+    assert estimate(tight).reserved_peak_bytes > tight
+
+
+def test_block_extrapolation_does_not_carry_reserved_past_the_device() -> None:
+    """The reserved line passing the device's size while the allocated peak stays under it is refused (a real
+    allocator releases its cache on the way); the whole model traced on that device fits within it."""
+    import torch
+
+    from lit_memopt.memory import estimate_peak, fake_mode
+    from lit_memopt.memory.blocks import ReservedPastDeviceError, estimate_with_blocks
+
+    batch = torch.randn(8, 64)
+    with fake_mode():
+        built = _growing_caches(3)
+    line = estimate_with_blocks(built, batch, 12)
+    assert line.reserved_peak_bytes > 3 * line.peak_bytes
+    device = (line.peak_bytes + line.reserved_peak_bytes) // 2
+    with pytest.raises(ReservedPastDeviceError, match="releases its cache"):
+        estimate_with_blocks(built, batch, 12, device_bytes=device)
+    # a device above the line: extrapolated as before
+    roomy = 2 * line.reserved_peak_bytes
+    assert estimate_with_blocks(built, batch, 12, device_bytes=roomy).reserved_peak_bytes == line.reserved_peak_bytes
+    with fake_mode():
+        whole = _growing_caches(12)
+    full = estimate_peak(whole, batch, device_bytes=device)
+    assert abs(full.peak_bytes - line.peak_bytes) <= 0.02 * line.peak_bytes
+    assert full.peak_bytes <= full.reserved_peak_bytes <= device

@@ -55,7 +55,14 @@ def segment_size(block_bytes: int) -> int:
 
 
 class AllocatorOutOfMemory(RuntimeError):
-    """The model could not reserve a segment within ``capacity_bytes``, even after releasing its cache."""
+    """The model could not reserve a segment within ``capacity_bytes``, even after releasing its cache.
+
+    ``needed_bytes``: what the model would have had reserved with that segment (more than the capacity).
+    """
+
+    def __init__(self, message: str, needed_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
 
 
 @dataclass(eq=False)
@@ -175,7 +182,8 @@ class CachingAllocatorModel:
             self.empty_cache()
             if self.reserved_bytes + nbytes > self.capacity_bytes:
                 raise AllocatorOutOfMemory(
-                    f"cannot reserve {nbytes} bytes: {self.reserved_bytes} reserved of {self.capacity_bytes}"
+                    f"cannot reserve {nbytes} bytes: {self.reserved_bytes} reserved of {self.capacity_bytes}",
+                    self.reserved_bytes + nbytes,
                 )
         seg = next(self._ids)
         self.segments[seg] = nbytes

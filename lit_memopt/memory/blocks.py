@@ -24,9 +24,10 @@ import torch
 from lit_memopt.memory.forked import ForkedCall, ForkedCallFailed, can_fork
 from lit_memopt.memory.step import PeakEstimate, estimate_peak
 from lit_memopt.memory.tracker import ModuleMemory
+from lit_memopt.memory.units import format_bytes
 
 __all__ = ["count_blocks", "truncated_blocks", "extrapolate", "estimate_with_blocks", "LinearityError",
-           "PROBE_BLOCKS", "CHECK_BLOCKS", "SHIFTED_PROBE_BLOCKS", "SHIFTED_CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
+           "ReservedPastDeviceError", "PROBE_BLOCKS", "CHECK_BLOCKS", "SHIFTED_PROBE_BLOCKS", "SHIFTED_CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
 
 PROBE_BLOCKS = (1, 2)
 CHECK_BLOCKS = 3
@@ -40,6 +41,11 @@ LINEARITY_TOLERANCE = 0.001
 
 class LinearityError(ValueError):
     """The check trace disagrees with the line through the probes: the step is not affine in the blocks."""
+
+
+class ReservedPastDeviceError(LinearityError):
+    """The extrapolated reserved peak passes ``device_bytes`` while the allocated one does not: a real allocator
+    releases its cache on the way there, at a point only a trace of every block shows."""
 
 
 def _block_lists(module: torch.nn.Module, built: int) -> list[tuple[torch.nn.Module, str, torch.nn.ModuleList]]:
@@ -189,6 +195,8 @@ def estimate_with_blocks(
         LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
             than ``LINEARITY_TOLERANCE`` in a phase's peak), and, when built with 4, the 4-block trace
             with the line through 2 and 3: trace the whole model instead.
+        ReservedPastDeviceError: given ``device_bytes``, the extrapolated reserved peak passes it and the allocated
+            peak does not (the allocator would release its cache on the way): trace the whole model for this step.
         ValueError: the module has fewer blocks than the traces need, or ``num_blocks`` is not a multiple of
             ``period``.
     """
@@ -252,6 +260,15 @@ def estimate_with_blocks(
     if check:
         method += f" (linear in the block count: checked with a trace of {checked_at}{kink})"
     result = extrapolate([traces[k] for k in probes], probes, num_blocks)
+    device = result.device_bytes
+    if device is not None and result.reserved_peak_bytes is not None and result.peak_bytes <= device < result.reserved_peak_bytes:
+        # A real allocator releases its cache at the device's size, so reserved stops growing there; whether the step
+        # then fits depends on how its live blocks lie in their segments, which only a trace of them shows.
+        raise ReservedPastDeviceError(
+            f"at {num_blocks} blocks the reserved peak's line passes the device's {format_bytes(device)} "
+            f"({format_bytes(result.reserved_peak_bytes)}) and the allocated peak does not "
+            f"({format_bytes(result.peak_bytes)}): where the allocator releases its cache is traced, not extrapolated"
+        )
     result.method = method
     result.seconds = sum(t.seconds for t in traces.values())
     return result

@@ -76,6 +76,9 @@ class PeakEstimate:
             per-rank sharding scale).
         reserved_peak_bytes: what PyTorch's CUDA caching allocator would have reserved at its peak
             for the same allocations (``memory.allocator``); ``None`` when not modelled.
+        device_bytes: the device size the allocator model had (``None``: unlimited). Given one, it releases its
+            cached segments before passing it, as PyTorch's does before an out-of-memory error, and a step that
+            needs more even then has ``reserved_peak_bytes`` above it.
         num_blocks: decoder blocks of the model the numbers are for (``None``: not known).
         method: how the numbers were obtained, in words (a full trace, or which block counts were
             traced and extrapolated; worst-case generation; per-rank sharding).
@@ -98,6 +101,7 @@ class PeakEstimate:
     accumulating: bool = False
     phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
     reserved_peak_bytes: int | None = None
+    device_bytes: int | None = None
     num_blocks: int | None = None
     method: str = "full trace"
     worst_case_tokens: int | None = None
@@ -303,6 +307,7 @@ def estimate_peak(
     model_allocator: bool = True,
     worst_case_filler: int | None = None,
     shared_regions: SharedRegions | None = None,
+    device_bytes: int | None = None,
 ) -> PeakEstimate:
     """Peak live tensor bytes of one training step (forward, backward, optimizer step) of ``module`` on ``batch``.
 
@@ -336,6 +341,9 @@ def estimate_peak(
             recording (``memory.replay``). ``None``: this trace's own (on fake tensors), so that a long generation
             loop is stretched from short probes (``memory.stretch``); ``SharedRegions(share=False, stretch=False)``:
             every region runs in full.
+        device_bytes: the device size for ``model_allocator``: the model releases its cached segments when a new
+            one would pass it (a real allocator does so before an out-of-memory error; a rollout whose cache grows
+            a token at a time otherwise keeps reserving). ``None``: no limit.
 
     Returns:
         A :class:`PeakEstimate`.
@@ -425,9 +433,7 @@ def estimate_peak(
     phase_breakdowns = {k: breakdown_from_categories(v, state_bytes) for k, v in tracker.phase_breakdowns.items() if k != "setup"}
     reserved = None
     if tracker.allocation_log is not None:
-        from lit_memopt.memory.allocator import reserved_peak
-
-        reserved = reserved_peak(tracker.allocation_log)
+        reserved = _reserved_peak(tracker.allocation_log, device_bytes)
     peak = snapshot_total(peak_snapshot)
     return PeakEstimate(
         peak_bytes=peak,
@@ -443,9 +449,23 @@ def estimate_peak(
         accumulating=accumulating,
         phase_breakdowns=phase_breakdowns,
         reserved_peak_bytes=reserved,
+        device_bytes=device_bytes if reserved is not None else None,
         worst_case_tokens=None if values is None else values.sampled_tokens,
         offloaded_bytes=offloaded,
     )
+
+
+def _reserved_peak(log: list[tuple[int, int, int]], device_bytes: int | None) -> int:
+    """The allocator model's reserved peak for ``log`` on a device of ``device_bytes``; when even a released cache
+    leaves too little, what it would need (the unlimited model's peak, or the reservation that failed)."""
+    from lit_memopt.memory.allocator import AllocatorOutOfMemory, reserved_peak
+
+    if device_bytes is None:
+        return reserved_peak(log)
+    try:
+        return reserved_peak(log, device_bytes)
+    except AllocatorOutOfMemory as exc:
+        return max(reserved_peak(log), exc.needed_bytes)
 
 
 def breakdown_from_categories(categories: dict[str, int], optimizer_state_bytes: int) -> dict[str, int]:
