@@ -23,7 +23,6 @@ from lit_memopt.memory.blocks import (
     CHECK_BLOCKS,
     SHIFTED_CHECK_BLOCKS,
     LinearityError,
-    ReservedPastDeviceError,
     estimate_with_blocks,
 )
 from lit_memopt.memory.fake import adopt_fakes
@@ -337,7 +336,6 @@ class _Estimator:
         self.blocks = (min(total, SHIFTED_CHECK_BLOCKS * p)
                        if total is not None and total > CHECK_BLOCKS * p and total % p == 0 else None)
         self.run = build_fake_run(cfg, self.blocks, self.checkpointing_callbacks)
-        self.whole_run: Any = None  # built when one step must be traced whole (ReservedPastDeviceError)
         if any(c.offload_to_cpu for c in self.checkpointing_callbacks):
             # The first block's input is the embedding output, which the decoder keeps for its whole forward, so an
             # offloaded 1-block step is off the line through longer ones: the check finds that kink and moves the
@@ -361,16 +359,9 @@ class _Estimator:
 
     def close(self) -> None:
         """Stop what ``build_fake_run`` started (CRSP's sandbox workers)."""
-        for run in (self.run, self.whole_run):
-            module = getattr(run, "module", None)
-            if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
-                module.teardown("validate")
-
-    def _whole_model(self) -> Any:
-        """The recipe built with all its blocks, once, beside the truncated one the extrapolation keeps using."""
-        if self.whole_run is None:
-            self.whole_run = build_fake_run(self.cfg, None, self.checkpointing_callbacks)
-        return self.whole_run
+        module = self.run.module
+        if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
+            module.teardown("validate")
 
     def _filler(self) -> int:
         module = self.run.module
@@ -407,12 +398,6 @@ class _Estimator:
                 est = estimate_with_blocks(self.run.module, batch, self.total_blocks, built_blocks=self.blocks,
                                            check=self.check if check is None else check, parallel=parallel,
                                            period=self.period, **kwargs)
-            except ReservedPastDeviceError as exc:
-                # This step only: other batch sizes may stay clear of the device's size.
-                self.notes.append(f"{exc}; traced all {self.total_blocks} blocks for "
-                                  f"{'the recipe' if rows is None else f'a micro-batch of {rows}'}")
-                est = estimate_peak(self._whole_model().module, batch, **kwargs)
-                est.num_blocks = self.total_blocks
             except LinearityError as exc:
                 self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
                 self.blocks = None

@@ -83,6 +83,8 @@ class CachingAllocatorModel:
     Args:
         capacity_bytes: device memory the segments may take (``None``: unlimited, the peak is what the
             allocator would ask for).
+        release_before_growing: release every fully free cached segment before each new one, as if the device
+            were always full: the peak is then about the smallest device the allocations run on.
 
     Example::
 
@@ -93,6 +95,7 @@ class CachingAllocatorModel:
     """
 
     capacity_bytes: int | None = None
+    release_before_growing: bool = False
     reserved_bytes: int = 0
     peak_reserved_bytes: int = 0
     allocated_bytes: int = 0
@@ -178,6 +181,8 @@ class CachingAllocatorModel:
 
     # ------------------------------------------------------------------ segments
     def _new_segment(self, nbytes: int, small: bool) -> _Block:
+        if self.release_before_growing:
+            self.empty_cache()
         if self.capacity_bytes is not None and self.reserved_bytes + nbytes > self.capacity_bytes:
             self.empty_cache()
             if self.reserved_bytes + nbytes > self.capacity_bytes:
@@ -194,12 +199,14 @@ class CachingAllocatorModel:
         return block
 
 
-def reserved_peak(events: Iterable[tuple[int, int, int]], capacity_bytes: int | None = None) -> int:
-    """Peak reserved bytes for ``(+1, key, bytes)`` allocations and ``(-1, key, bytes)`` frees in order.
+def reserved_peak(events: Iterable[tuple[int, int, int]], capacity_bytes: int | None = None, *,
+                  release_before_growing: bool = False) -> int:
+    """Peak reserved bytes for ``(+1, key, bytes)`` allocations and ``(-1, key, bytes)`` frees in order
+    (``capacity_bytes`` and ``release_before_growing``: see :class:`CachingAllocatorModel`).
 
     Zero-byte allocations take no block (PyTorch returns a null pointer for them).
     """
-    model = CachingAllocatorModel(capacity_bytes=capacity_bytes)
+    model = CachingAllocatorModel(capacity_bytes=capacity_bytes, release_before_growing=release_before_growing)
     live: dict[int, _Block] = {}
     for sign, key, nbytes in events:
         if sign > 0:

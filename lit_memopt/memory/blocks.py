@@ -27,7 +27,7 @@ from lit_memopt.memory.tracker import ModuleMemory
 from lit_memopt.memory.units import format_bytes
 
 __all__ = ["count_blocks", "truncated_blocks", "extrapolate", "estimate_with_blocks", "LinearityError",
-           "ReservedPastDeviceError", "PROBE_BLOCKS", "CHECK_BLOCKS", "SHIFTED_PROBE_BLOCKS", "SHIFTED_CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
+           "PROBE_BLOCKS", "CHECK_BLOCKS", "SHIFTED_PROBE_BLOCKS", "SHIFTED_CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
 
 PROBE_BLOCKS = (1, 2)
 CHECK_BLOCKS = 3
@@ -43,9 +43,6 @@ class LinearityError(ValueError):
     """The check trace disagrees with the line through the probes: the step is not affine in the blocks."""
 
 
-class ReservedPastDeviceError(LinearityError):
-    """The extrapolated reserved peak passes ``device_bytes`` while the allocated one does not: a real allocator
-    releases its cache on the way there, at a point only a trace of every block shows."""
 
 
 def _block_lists(module: torch.nn.Module, built: int) -> list[tuple[torch.nn.Module, str, torch.nn.ModuleList]]:
@@ -124,9 +121,11 @@ def extrapolate(estimates: Sequence[PeakEstimate], blocks: Sequence[int], num_bl
             m.forward_peak_bytes, m.backward_peak_bytes, m.is_leaf,
         ))
     modules.sort(key=lambda m: (m.activation_bytes, m.forward_peak_bytes), reverse=True)
-    reserved = None
+    reserved = least = None
     if e1.reserved_peak_bytes is not None and e2.reserved_peak_bytes is not None:
         reserved = max(_line((e1.reserved_peak_bytes, e2.reserved_peak_bytes), blocks, num_blocks), 0)
+    if e1.least_reserved_bytes is not None and e2.least_reserved_bytes is not None:
+        least = max(_line((e1.least_reserved_bytes, e2.least_reserved_bytes), blocks, num_blocks), 0)
     peak = phase_peaks.get(peak_phase, e2.peak_bytes)
     return dataclasses.replace(
         e2,
@@ -138,9 +137,28 @@ def extrapolate(estimates: Sequence[PeakEstimate], blocks: Sequence[int], num_bl
         modules=modules,
         seconds=e1.seconds + e2.seconds,
         reserved_peak_bytes=None if reserved is None else max(reserved, peak),
+        least_reserved_bytes=None if least is None else max(least, peak),
         num_blocks=num_blocks,
         offloaded_bytes=max(_line((e1.offloaded_bytes, e2.offloaded_bytes), blocks, num_blocks), 0),
     )
+
+
+def _within_device(result: PeakEstimate, method: str) -> tuple[PeakEstimate, str]:
+    """``result`` where its reserved line passes the device's size (``device_bytes``): a real allocator releases
+    its cache there rather than reserve more, so the line no longer holds. The step then runs if the least device
+    it needs (``least_reserved_bytes``, extrapolated too) is within it: its reserved peak is then the device's size,
+    else that least device."""
+    device, reserved, needs = result.device_bytes, result.reserved_peak_bytes, result.least_reserved_bytes
+    if device is None or reserved is None or needs is None or reserved <= device:
+        return result, method
+    if needs <= device:
+        result.reserved_peak_bytes = device
+        return result, (f"{method}; the reserved line passes the device's {format_bytes(device)} "
+                        f"({format_bytes(reserved)}), where the allocator releases its cached segments: the step "
+                        f"runs within it, needing at least {format_bytes(needs)}")
+    result.reserved_peak_bytes = needs
+    return result, (f"{method}; even releasing its cached segments, the allocator needs {format_bytes(needs)}, "
+                    f"more than the device's {format_bytes(device)}")
 
 
 def _check_line(traces: dict[int, PeakEstimate], probes: Sequence[int], at: int) -> None:
@@ -195,8 +213,6 @@ def estimate_with_blocks(
         LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
             than ``LINEARITY_TOLERANCE`` in a phase's peak), and, when built with 4, the 4-block trace
             with the line through 2 and 3: trace the whole model instead.
-        ReservedPastDeviceError: given ``device_bytes``, the extrapolated reserved peak passes it and the allocated
-            peak does not (the allocator would release its cache on the way): trace the whole model for this step.
         ValueError: the module has fewer blocks than the traces need, or ``num_blocks`` is not a multiple of
             ``period``.
     """
@@ -260,15 +276,8 @@ def estimate_with_blocks(
     if check:
         method += f" (linear in the block count: checked with a trace of {checked_at}{kink})"
     result = extrapolate([traces[k] for k in probes], probes, num_blocks)
-    device = result.device_bytes
-    if device is not None and result.reserved_peak_bytes is not None and result.peak_bytes <= device < result.reserved_peak_bytes:
-        # A real allocator releases its cache at the device's size, so reserved stops growing there; whether the step
-        # then fits depends on how its live blocks lie in their segments, which only a trace of them shows.
-        raise ReservedPastDeviceError(
-            f"at {num_blocks} blocks the reserved peak's line passes the device's {format_bytes(device)} "
-            f"({format_bytes(result.reserved_peak_bytes)}) and the allocated peak does not "
-            f"({format_bytes(result.peak_bytes)}): where the allocator releases its cache is traced, not extrapolated"
-        )
+    if result.device_bytes is not None:
+        result, method = _within_device(result, method)
     result.method = method
     result.seconds = sum(t.seconds for t in traces.values())
     return result

@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lit_memopt._compat.torch import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, storage_key
+from lit_memopt.memory.allocator import AllocatorOutOfMemory, reserved_peak
 from lit_memopt.memory.batch import batch_geometry, batch_tensors, resize_batch, to_fake
 from lit_memopt.memory.units import format_bytes
 from lit_memopt.memory.fake import fake_mode
@@ -79,6 +80,8 @@ class PeakEstimate:
         device_bytes: the device size the allocator model had (``None``: unlimited). Given one, it releases its
             cached segments before passing it, as PyTorch's does before an out-of-memory error, and a step that
             needs more even then has ``reserved_peak_bytes`` above it.
+        least_reserved_bytes: with ``device_bytes``, the reserved peak of an allocator that releases its cache
+            before every new segment: about the smallest device the step runs on (``None`` without a device size).
         num_blocks: decoder blocks of the model the numbers are for (``None``: not known).
         method: how the numbers were obtained, in words (a full trace, or which block counts were
             traced and extrapolated; worst-case generation; per-rank sharding).
@@ -102,6 +105,7 @@ class PeakEstimate:
     phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
     reserved_peak_bytes: int | None = None
     device_bytes: int | None = None
+    least_reserved_bytes: int | None = None
     num_blocks: int | None = None
     method: str = "full trace"
     worst_case_tokens: int | None = None
@@ -431,9 +435,9 @@ def estimate_peak(
 
     breakdown = breakdown_from_categories(snapshot_categories(peak_snapshot), state_bytes)
     phase_breakdowns = {k: breakdown_from_categories(v, state_bytes) for k, v in tracker.phase_breakdowns.items() if k != "setup"}
-    reserved = None
+    reserved = least = None
     if tracker.allocation_log is not None:
-        reserved = _reserved_peak(tracker.allocation_log, device_bytes)
+        reserved, least = _reserved_peaks(tracker.allocation_log, device_bytes)
     peak = snapshot_total(peak_snapshot)
     return PeakEstimate(
         peak_bytes=peak,
@@ -450,22 +454,24 @@ def estimate_peak(
         phase_breakdowns=phase_breakdowns,
         reserved_peak_bytes=reserved,
         device_bytes=device_bytes if reserved is not None else None,
+        least_reserved_bytes=least,
         worst_case_tokens=None if values is None else values.sampled_tokens,
         offloaded_bytes=offloaded,
     )
 
 
-def _reserved_peak(log: list[tuple[int, int, int]], device_bytes: int | None) -> int:
-    """The allocator model's reserved peak for ``log`` on a device of ``device_bytes``; when even a released cache
-    leaves too little, what it would need (the unlimited model's peak, or the reservation that failed)."""
-    from lit_memopt.memory.allocator import AllocatorOutOfMemory, reserved_peak
-
+def _reserved_peaks(log: list[tuple[int, int, int]], device_bytes: int | None) -> tuple[int, int | None]:
+    """The allocator model's reserved peak for ``log`` on a device of ``device_bytes``, and (given one) the peak of
+    one that releases its cache before every new segment, about the least device the step runs on. Where even a
+    released cache leaves too little, the first is what the step needs: that least device, or the reservation that
+    failed."""
     if device_bytes is None:
-        return reserved_peak(log)
+        return reserved_peak(log), None
+    least = reserved_peak(log, release_before_growing=True)
     try:
-        return reserved_peak(log, device_bytes)
+        return reserved_peak(log, device_bytes), least
     except AllocatorOutOfMemory as exc:
-        return max(reserved_peak(log), exc.needed_bytes)
+        return max(least, exc.needed_bytes), least
 
 
 def breakdown_from_categories(categories: dict[str, int], optimizer_state_bytes: int) -> dict[str, int]:
