@@ -43,8 +43,6 @@ class LinearityError(ValueError):
     """The check trace disagrees with the line through the probes: the step is not affine in the blocks."""
 
 
-
-
 def _block_lists(module: torch.nn.Module, built: int) -> list[tuple[torch.nn.Module, str, torch.nn.ModuleList]]:
     """Every ``layers`` ModuleList of ``built`` blocks in ``module`` (policy, reference models), with its owner.
 
@@ -143,22 +141,22 @@ def extrapolate(estimates: Sequence[PeakEstimate], blocks: Sequence[int], num_bl
     )
 
 
-def _within_device(result: PeakEstimate, method: str) -> tuple[PeakEstimate, str]:
-    """``result`` where its reserved line passes the device's size (``device_bytes``): a real allocator releases
-    its cache there rather than reserve more, so the line no longer holds. The step then runs if the least device
-    it needs (``least_reserved_bytes``, extrapolated too) is within it: its reserved peak is then the device's size,
-    else that least device."""
+def _within_device(result: PeakEstimate, method: str) -> str:
+    """Mend ``result`` where its reserved line passes the device's size (``device_bytes``); returns ``method`` with
+    what was done. A real allocator releases its cache there rather than reserve more, so the line no longer holds:
+    the step runs if the least device it needs (``least_reserved_bytes``, extrapolated too) is within it, and its
+    reserved peak is then the device's size, else that least device."""
     device, reserved, needs = result.device_bytes, result.reserved_peak_bytes, result.least_reserved_bytes
     if device is None or reserved is None or needs is None or reserved <= device:
-        return result, method
+        return method
     if needs <= device:
         result.reserved_peak_bytes = device
-        return result, (f"{method}; the reserved line passes the device's {format_bytes(device)} "
-                        f"({format_bytes(reserved)}), where the allocator releases its cached segments: the step "
-                        f"runs within it, needing at least {format_bytes(needs)}")
+        return (f"{method}; the reserved line passes the device's {format_bytes(device)} ({format_bytes(reserved)}), "
+                f"where the allocator releases its cached segments: the step runs within it, needing at least "
+                f"{format_bytes(needs)}")
     result.reserved_peak_bytes = needs
-    return result, (f"{method}; even releasing its cached segments, the allocator needs {format_bytes(needs)}, "
-                    f"more than the device's {format_bytes(device)}")
+    return (f"{method}; even releasing its cached segments, the allocator needs {format_bytes(needs)}, "
+            f"more than the device's {format_bytes(device)}")
 
 
 def _check_line(traces: dict[int, PeakEstimate], probes: Sequence[int], at: int) -> None:
@@ -276,8 +274,6 @@ def estimate_with_blocks(
     if check:
         method += f" (linear in the block count: checked with a trace of {checked_at}{kink})"
     result = extrapolate([traces[k] for k in probes], probes, num_blocks)
-    if result.device_bytes is not None:
-        result, method = _within_device(result, method)
-    result.method = method
+    result.method = _within_device(result, method)
     result.seconds = sum(t.seconds for t in traces.values())
     return result
