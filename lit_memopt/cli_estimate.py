@@ -32,6 +32,7 @@ from lit_memopt.memory.search import (
     BatchFit,
     largest_micro_batch,
     parse_memory_size,
+    usable_bytes,
 )
 from lit_memopt.memory.sharding import COMMUNICATION_ROW, per_rank_estimate
 from lit_memopt.memory.step import (
@@ -429,7 +430,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     if opts["gpu_bytes"] is not None and opts["per_rank"] is None:
         # The fit is judged on the usable bytes: the allocator model releases its cache there, as a real one does at
         # the device's size. (Per rank the trace is the whole model's, so no device size applies to it.)
-        estimator.device_bytes = int(opts["gpu_bytes"] * (1.0 - opts["margin"]))
+        estimator.device_bytes = usable_bytes(opts["gpu_bytes"], opts["margin"])
     try:
         batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
         estimate = estimator.estimate(batch, None)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from lit_memopt.memory.blocks import extrapolate
 from lit_memopt.memory.plan_time import DeviceSpec, StepWork, step_seconds
+from lit_memopt.memory.search import usable_bytes
 from lit_memopt.memory.sharding import per_rank_estimate
 from lit_memopt.memory.step import PeakEstimate
 
@@ -259,7 +260,7 @@ def search_plans(
             ``memory_budget`` simulator of a CPU run).
         offload: also search FSDP2 with CPU offload (``False`` for a CPU target, whose device is the host).
     """
-    usable = int(memory_bytes * (1.0 - margin))
+    usable = usable_bytes(memory_bytes, margin)
     search = _PlanSearch(trace, shape, usable, device=device, use_reserved=use_reserved, offload=offload)
     search.run()
     return _rank(shape, memory_bytes, usable, margin, device, search.preds, search.recipe, search.preds[search.recipe],

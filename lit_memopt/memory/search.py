@@ -15,10 +15,16 @@ from lit_memopt._compat.torch import FakeTensorMode
 from lit_memopt.memory.batch import batch_geometry, resize_batch
 from lit_memopt.memory.step import estimate_peak
 
-__all__ = ["BatchFit", "largest_micro_batch", "initial_micro_batch_from_estimate", "parse_memory_size", "DEFAULT_SAFETY_MARGIN"]
+__all__ = ["BatchFit", "largest_micro_batch", "usable_bytes", "initial_micro_batch_from_estimate", "parse_memory_size", "DEFAULT_SAFETY_MARGIN"]
 
 # Share of the device kept free for what the allocator model does not see (see the README's "Will it fit?").
 DEFAULT_SAFETY_MARGIN = 0.1
+
+
+def usable_bytes(memory_bytes: int, safety_margin: float) -> int:
+    """What a step may take of ``memory_bytes`` after the safety margin: the budget every fit is judged on, and the
+    device size the allocator model releases its cache at (``estimate_peak``'s ``device_bytes``)."""
+    return int(memory_bytes * (1.0 - float(safety_margin)))
 # Instance attributes that Lightning or a callback may have put on a module (wrappers bound to the
 # real module); a fake copy must use its class's methods instead.
 _HOOK_NAMES = (
@@ -81,7 +87,7 @@ def largest_micro_batch(
         raise ValueError(f"largest_micro_batch: safety_margin must be in [0, 1), got {safety_margin!r}")
     if max_batch_size < 1:
         raise ValueError(f"largest_micro_batch: max_batch_size must be >= 1, got {max_batch_size!r}")
-    usable = int(memory_bytes * (1.0 - float(safety_margin)))
+    usable = usable_bytes(memory_bytes, safety_margin)
     probes: dict[int, int] = {}
 
     def fits(b: int) -> bool:
