@@ -43,6 +43,7 @@ from lit_memopt.memory.step import (
     estimate_peak,
     format_bytes,
     measure_on_cuda,
+    within_device,
 )
 from lit_memopt.memory.worst_case import filler_token_id
 from lit_memopt.models.hf import checkpoint_period
@@ -350,7 +351,7 @@ class _Estimator:
         # A plan's traces share their rollouts (memory.replay): set by cli_plan.PlanTracer, one for all its estimators.
         self.shared_regions: Any = None
         # The device the allocator model releases its cache at (memory.step.estimate_peak's device_bytes): set by
-        # estimate_recipe from gpu_memory for a one-device step; None: no limit.
+        # estimate_recipe from gpu_memory, by cli_plan.PlanTracer from the plan's budget; None: no limit.
         self.device_bytes: int | None = None
         # Set once the step turns out to generate text until end-of-sequence: then every estimate is its worst case.
         self.worst_case_filler: int | None = None
@@ -369,16 +370,21 @@ class _Estimator:
         config = getattr(getattr(module, "model", None), "config", None)
         return filler_token_id(getattr(module, "tokenizer", None), config, getattr(config, "vocab_size", None))
 
-    def estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
+    def trace(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
+        """The whole model's step on one device, its reserved figure not yet judged against ``device_bytes``."""
         try:
-            est = self._estimate(batch, rows, check=check)
+            return self._estimate(batch, rows, check=check)
         except ValueDependentStepError:
             if self.worst_case_filler is not None:
                 raise
             self.worst_case_filler = self._filler()
-            est = self._estimate(batch, rows, check=check)
+            return self._estimate(batch, rows, check=check)
+
+    def estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
+        """The step on one device or (``per_rank``) one rank, judged on the device where it has a size."""
+        est = self.trace(batch, rows, check=check)
         if self.per_rank is None:
-            return est
+            return within_device(est)
         strategy, world = self.per_rank
         # Frozen models the method keeps whole on every rank (GRADE's reference and reward model) are not sharded.
         replicated = replicated_parameter_bytes(self.run.module, self.total_blocks) if strategy == "fsdp2" else 0
@@ -427,9 +433,10 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     estimator = _Estimator(cfg, opts["check"], opts["per_rank"], opts["cpu_offload"])
-    if opts["gpu_bytes"] is not None and opts["per_rank"] is None:
+    if opts["gpu_bytes"] is not None:
         # The fit is judged on the usable bytes: the allocator model releases its cache there, as a real one does at
-        # the device's size. (Per rank the trace is the whole model's, so no device size applies to it.)
+        # the device's size (per rank: the whole model's trace on that device, judged again per rank in
+        # memory.sharding).
         estimator.device_bytes = usable_bytes(opts["gpu_bytes"], opts["margin"])
     try:
         batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])

@@ -35,6 +35,7 @@ from lit_memopt.memory.plan import (
 )
 from lit_memopt.memory.plan_time import device_spec
 from lit_memopt.memory.replay import SharedRegions
+from lit_memopt.memory.search import usable_bytes
 from lit_memopt.memory.units import format_bytes
 from lit_memopt.models.hf import checkpoint_period
 from lit_memopt.models.sharding import replicated_parameter_bytes
@@ -212,11 +213,13 @@ class PlanTracer:
     """``(checkpointing, rows, accumulating[, activation_offload]) -> PeakEstimate``: one estimator (one fake module)
     per checkpointing setting, activation offload and (CRSP) pass size."""
 
-    def __init__(self, cfg: Any, cpu_target: bool) -> None:
+    def __init__(self, cfg: Any, cpu_target: bool, device_bytes: int | None = None) -> None:
         from omegaconf import open_dict
 
         self.cfg = cfg
         self.cpu_target = cpu_target
+        # The usable bytes of a device (GPU targets): the allocator model releases its cache there, as in `estimate`.
+        self.device_bytes = device_bytes
         self.key = _checkpoint_key(cfg)
         # set by recipe_shape once the module turns out to optimize manually: then `rows` are its own micro-batch
         self.inner_key: str | None = None
@@ -243,6 +246,7 @@ class PlanTracer:
             est = RecipeEstimator(cfg, False, None)
             # a CPU run (memory_budget) steps AdamW with its per-parameter loop, CUDA with foreach
             est.optimizer_foreach = not self.cpu_target
+            est.device_bytes = self.device_bytes
             est.shared_regions = self.shared_regions
             if self.batch is None:
                 self.batch = recipe_batch(est.run.datamodule)
@@ -273,11 +277,11 @@ class PlanTracer:
                                  activation_offload)
             est.accumulating = False
             est.cache.clear()
-            return est.estimate(self.batch, None)
+            return est.trace(self.batch, None)
         est = self.estimator(ckpt, None, activation_offload)
         est.accumulating = accumulating
         est.cache.clear()  # keyed by rows only; memory.plan keeps its own cache by (checkpointing, rows, accumulating)
-        return est.estimate(resize_batch(self.batch, batch_size=rows), rows)
+        return est.trace(resize_batch(self.batch, batch_size=rows), rows)
 
     def close(self) -> None:
         for est in self.estimators.values():
@@ -323,7 +327,9 @@ def compose_variant(cfg: Any, overrides: Sequence[str]) -> Any:
 
 
 def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any, cpu_target: bool) -> PlanResult:
-    tracer = PlanTracer(cfg, cpu_target)
+    # A GPU's traces model its allocator on the usable bytes, as `estimate gpu_memory=` does (a CPU target judges
+    # live bytes: no allocator).
+    tracer = PlanTracer(cfg, cpu_target, None if cpu_target else usable_bytes(opts["gpu_bytes"], opts["margin"]))
     try:
         result = search_plans(tracer, tracer.recipe_shape(blocks, maths), opts["gpu_bytes"], device=device,
                               margin=opts["margin"], use_reserved=not cpu_target, offload=not cpu_target)

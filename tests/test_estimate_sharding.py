@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from _ranks import free_port, run_ranks
 
 from lit_memopt.memory.sharding import per_rank_estimate
-from lit_memopt.memory.step import PeakEstimate
+from lit_memopt.memory.step import PeakEstimate, within_device
 from lit_memopt.memory.tracker import ModuleMemory
 
 WORLD = 2
@@ -144,6 +145,29 @@ def test_sharding_arithmetic_by_phase() -> None:
         per_rank_estimate(single, "zero3", 4)
     with pytest.raises(ValueError, match="world_size"):
         per_rank_estimate(single, "fsdp2", 0)
+
+
+def test_a_device_size_is_judged_per_rank() -> None:
+    """The one-device trace's reserved line passes its device; per rank the same overhead over the live bytes is
+    judged again: an FSDP2 rank within the device keeps the line's overhead (its allocator need not release), a DDP
+    rank past it runs within it where its least device fits, and is reported at that least device where not."""
+    mib = 2**20
+    single = _single_device()  # peak 506 MiB (the optimizer step), line 516 MiB
+    single = dataclasses.replace(single, reserved_peak_bytes=single.peak_bytes + 300 * mib,
+                                 least_reserved_bytes=single.peak_bytes + 20 * mib, device_bytes=single.peak_bytes + 150 * mib)
+    assert within_device(single).reserved_peak_bytes == single.device_bytes  # one device: the line passes, least fits
+    fsdp = per_rank_estimate(single, "fsdp2", 4)
+    assert fsdp.reserved_peak_bytes == fsdp.peak_bytes + 300 * mib <= single.device_bytes
+    assert fsdp.least_reserved_bytes == fsdp.peak_bytes + 20 * mib and "releases" not in fsdp.method
+    ddp = per_rank_estimate(single, "ddp", 4)  # + 100 MiB of buckets: 806 MiB line past the 656 MiB device
+    assert ddp.least_reserved_bytes == single.peak_bytes + 120 * mib <= single.device_bytes
+    assert ddp.reserved_peak_bytes == single.device_bytes and "releases its cached segments" in ddp.method
+    tight = per_rank_estimate(dataclasses.replace(single, device_bytes=single.peak_bytes + 110 * mib), "ddp", 4)
+    assert tight.reserved_peak_bytes == tight.least_reserved_bytes == single.peak_bytes + 120 * mib
+    assert "more than the device's" in tight.method
+    # without a device size nothing is judged: the line's figure per rank, as before
+    unlimited = per_rank_estimate(dataclasses.replace(single, device_bytes=None, least_reserved_bytes=None), "ddp", 4)
+    assert unlimited.reserved_peak_bytes == ddp.peak_bytes + 300 * mib
 
 
 def test_cli_rejects_devices_it_cannot_count(capsys) -> None:  # noqa: ANN001

@@ -297,3 +297,37 @@ def test_activation_offload_adds_its_copies_to_each_micro_batch() -> None:
     from lit_memopt.memory.plan_time import BANDWIDTH_EFFICIENCY
 
     assert extra == pytest.approx(4 * 2 * moved / (h100.pcie_bytes_per_second * BANDWIDTH_EFFICIENCY))
+
+
+def _cached(device: int | None):  # noqa: ANN202
+    """A step whose allocator keeps 1000 MiB of cache over its live bytes without a device size (a cache that
+    outgrows its freed segments); one releasing before each new segment needs only 64 MiB over them."""
+
+    def trace(ckpt: bool, rows: int, acc: bool) -> PeakEstimate:
+        est = _estimate(ckpt, rows, acc)
+        return dataclasses.replace(est, reserved_peak_bytes=est.peak_bytes + 1000 * MIB, device_bytes=device,
+                                   least_reserved_bytes=None if device is None else est.peak_bytes + 64 * MIB)
+
+    return trace
+
+
+def test_a_reserved_line_past_the_device_is_judged_as_the_allocator_would() -> None:
+    """With the device's size the traces tell the least device a step needs: the recipe's step, whose reserved line
+    passes the usable bytes, runs within them (its allocator releases its cache), so it is the plan, at the device's
+    size. Without it the same line says the recipe does not fit and a slower plan is chosen."""
+    from lit_memopt.memory.search import usable_bytes
+
+    memory = int(3.3 * 2**30)
+    usable = usable_bytes(memory, 0.1)
+    recipe_live = _estimate(False, 16, False).peak_bytes
+    assert recipe_live + 64 * MIB <= usable < recipe_live + 1000 * MIB
+    judged = _plan(memory, trace=_cached(usable))
+    assert judged.fits and judged.best.candidate == SHAPE.recipe and judged.best.peak_bytes == usable
+    assert "releases its cached segments" in judged.best.estimate.method
+    unjudged = _plan(memory, trace=_cached(None))
+    assert unjudged.fits and unjudged.best.candidate != SHAPE.recipe
+    assert unjudged.best.seconds > judged.best.seconds
+    # a device under even the least the recipe needs: the recipe does not fit, and is reported at that least
+    tight = _plan(int((recipe_live + 30 * MIB) / 0.9), trace=_cached(usable_bytes(int((recipe_live + 30 * MIB) / 0.9), 0.1)))
+    recipe = next(p for p in [*tight.plans, tight.fastest_not_fitting] if p is not None and p.candidate == SHAPE.recipe)
+    assert recipe.peak_bytes == recipe_live + 64 * MIB and not tight.best.candidate == SHAPE.recipe

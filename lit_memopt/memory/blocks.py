@@ -24,7 +24,6 @@ import torch
 from lit_memopt.memory.forked import ForkedCall, ForkedCallFailed, can_fork
 from lit_memopt.memory.step import PeakEstimate, estimate_peak
 from lit_memopt.memory.tracker import ModuleMemory
-from lit_memopt.memory.units import format_bytes
 
 __all__ = ["count_blocks", "truncated_blocks", "extrapolate", "estimate_with_blocks", "LinearityError",
            "PROBE_BLOCKS", "CHECK_BLOCKS", "SHIFTED_PROBE_BLOCKS", "SHIFTED_CHECK_BLOCKS", "LINEARITY_TOLERANCE"]
@@ -141,24 +140,6 @@ def extrapolate(estimates: Sequence[PeakEstimate], blocks: Sequence[int], num_bl
     )
 
 
-def _within_device(result: PeakEstimate, method: str) -> str:
-    """Mend ``result`` where its reserved line passes the device's size (``device_bytes``); returns ``method`` with
-    what was done. A real allocator releases its cache there rather than reserve more, so the line no longer holds:
-    the step runs if the least device it needs (``least_reserved_bytes``, extrapolated too) is within it, and its
-    reserved peak is then the device's size, else that least device."""
-    device, reserved, needs = result.device_bytes, result.reserved_peak_bytes, result.least_reserved_bytes
-    if device is None or reserved is None or needs is None or reserved <= device:
-        return method
-    if needs <= device:
-        result.reserved_peak_bytes = device
-        return (f"{method}; the reserved line passes the device's {format_bytes(device)} ({format_bytes(reserved)}), "
-                f"where the allocator releases its cached segments: the step runs within it, needing at least "
-                f"{format_bytes(needs)}")
-    result.reserved_peak_bytes = needs
-    return (f"{method}; even releasing its cached segments, the allocator needs {format_bytes(needs)}, "
-            f"more than the device's {format_bytes(device)}")
-
-
 def _check_line(traces: dict[int, PeakEstimate], probes: Sequence[int], at: int) -> None:
     """Raise ``LinearityError`` unless every phase peak of ``traces[at]`` is on the line through ``probes``."""
     predicted = extrapolate([traces[k] for k in probes], probes, at)
@@ -206,6 +187,10 @@ def estimate_with_blocks(
     ``period``: the blocks repeat in groups of ``period`` (every ``period``-th block checkpointed): every trace
     count above is multiplied by it (probes ``period`` and ``2 * period``, checked with ``3 * period``; built with
     that many), and ``num_blocks`` must be a multiple of it.
+
+    With ``device_bytes``, the reserved figure is still the line through the probes (and ``least_reserved_bytes``
+    the least device's line): where it passes the device, :func:`memory.step.within_device` says what the step does
+    there. It is left to the caller, who knows whether the device holds this step or one rank's share of it.
 
     Raises:
         LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
@@ -274,6 +259,8 @@ def estimate_with_blocks(
     if check:
         method += f" (linear in the block count: checked with a trace of {checked_at}{kink})"
     result = extrapolate([traces[k] for k in probes], probes, num_blocks)
-    result.method = _within_device(result, method)
+    # The line may pass a device size the probes had (device_bytes): memory.step.within_device judges it where the
+    # device applies (one device here, or each rank after memory.sharding).
+    result.method = method
     result.seconds = sum(t.seconds for t in traces.values())
     return result

@@ -41,7 +41,7 @@ from lit_memopt.memory.blocks import extrapolate
 from lit_memopt.memory.plan_time import DeviceSpec, StepWork, step_seconds
 from lit_memopt.memory.search import usable_bytes
 from lit_memopt.memory.sharding import per_rank_estimate
-from lit_memopt.memory.step import PeakEstimate
+from lit_memopt.memory.step import PeakEstimate, within_device
 
 __all__ = ["RETRACE", "Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "merge_variants",
            "recompute_share", "search_plans", "state_floor"]
@@ -317,7 +317,9 @@ class _PlanSearch:
             est, traced = self.traces.get(*key), True
         else:
             est, traced = _interpolate(self.traces, _setting(c), c.micro_batch, acc), False
-        if c.strategy != "single":
+        if c.strategy == "single":
+            est = within_device(est)  # (per rank, the sharding judges it)
+        else:
             est = per_rank_estimate(est, c.strategy, max(self.shape.world_size, 1), cpu_offload=c.offload,
                                     replicated_bytes=min(self.shape.replicated_bytes, est.phase_breakdowns.get(
                                         "optimizer step", {}).get("parameters", self.shape.replicated_bytes)))

@@ -26,6 +26,13 @@ backward and the input batch are those of one device. What changes is the model 
 
 Mixed-precision all-gathers (``MixedPrecisionPolicy``) are not modelled: the gathered blocks count at the
 parameters' dtype, which over-counts a bf16 all-gather of fp32 weights.
+
+The reserved figure keeps the one-device trace's allocator overhead over its live bytes, as does the least device a
+step needs. Where the trace had a device size (``device_bytes``: the whole model traced on the device the rank has,
+whose allocator released its cache where the whole model pressed on it) a rank's figure past that size is mended
+the same way as a one-device one (``memory.step.within_device``). A rank holds less than the whole model, so its
+allocator may cache more than the trace's did before it has to release: its reserved peak can be above the figure
+given (never above the device's size where the least device fits).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lit_memopt.memory.step import PeakEstimate
+from lit_memopt.memory.step import PeakEstimate, within_device
 
 __all__ = ["STRATEGIES", "per_rank_estimate", "block_parameter_bytes", "COMMUNICATION_ROW"]
 
@@ -130,9 +137,13 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
     phase_peaks = {p: sum(b.values()) for p, b in phase_breakdowns.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]
-    reserved = None
+    # The allocator's overhead over the live bytes is the one-device trace's (its reserved figure, and with a device
+    # size the least device it needs); a device size is then judged per rank (memory.step.within_device).
+    reserved = least = None
     if estimate.reserved_peak_bytes is not None:
         reserved = peak + max(estimate.reserved_peak_bytes - estimate.peak_bytes, 0)
+    if estimate.least_reserved_bytes is not None:
+        least = peak + max(estimate.least_reserved_bytes - estimate.peak_bytes, 0)
     if strategy == "ddp":
         how = f"per rank of {world_size} (ddp): model state replicated, plus gradient buckets ({_mib(grads)})"
     elif cpu_offload:
@@ -148,7 +159,7 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
                f"also hold the root group ({_mib(root)}) and two gathered blocks ({_mib(largest_block)} each)")
     if replicated:
         how += f"; frozen models kept whole on every rank: {_mib(replicated)}"
-    return dataclasses.replace(
+    return within_device(dataclasses.replace(
         estimate,
         peak_bytes=peak,
         breakdown=dict(phase_breakdowns[peak_phase]),
@@ -156,8 +167,9 @@ def per_rank_estimate(estimate: PeakEstimate, strategy: str, world_size: int, *,
         phase_peaks=phase_peaks,
         phase_breakdowns=phase_breakdowns,
         reserved_peak_bytes=reserved,
+        least_reserved_bytes=least,
         method=f"{estimate.method}; {how}",
-    )
+    ))
 
 
 def _offloaded_phase(phase: str, single: dict[str, int], rank: dict[str, int], world_size: int, root: int,

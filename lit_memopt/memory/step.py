@@ -28,7 +28,8 @@ from lit_memopt.memory.offload import OFFLOAD_METER
 from lit_memopt.memory.replay import SharedRegions, sharing_regions
 from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, snapshot_categories, snapshot_total
 
-__all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda"]
+__all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda",
+           "within_device"]
 
 GIB = 1024**3
 # MemTracker's categories -> the rows of the breakdown.
@@ -460,6 +461,28 @@ def estimate_peak(
     )
 
 
+def within_device(estimate: PeakEstimate) -> PeakEstimate:
+    """``estimate`` mended where its reserved figure passes its device's size (``device_bytes``), with its ``method``
+    saying so; unchanged where it does not (or has no device size).
+
+    A line through traces (more blocks, per-rank sharding of a one-device trace) can pass the device where a real
+    allocator would release its cache rather than reserve more: then the step runs if the least device it needs
+    (``least_reserved_bytes``, carried along the same line) is within it, and its reserved peak is the device's size;
+    else the reserved figure is that least device.
+    """
+    device, reserved, needs = estimate.device_bytes, estimate.reserved_peak_bytes, estimate.least_reserved_bytes
+    if device is None or reserved is None or needs is None or reserved <= device:
+        return estimate
+    if needs <= device:
+        return dataclasses.replace(estimate, reserved_peak_bytes=device, method=(
+            f"{estimate.method}; the reserved line passes the device's {format_bytes(device)} ({format_bytes(reserved)}), "
+            f"where the allocator releases its cached segments: the step runs within it, needing at least "
+            f"{format_bytes(needs)}"))
+    return dataclasses.replace(estimate, reserved_peak_bytes=needs, method=(
+        f"{estimate.method}; even releasing its cached segments, the allocator needs {format_bytes(needs)}, "
+        f"more than the device's {format_bytes(device)}"))
+
+
 def _reserved_peaks(log: list[tuple[int, int, int]], device_bytes: int | None) -> tuple[int, int | None]:
     """The allocator model's reserved peak for ``log`` on a device of ``device_bytes``, and (given one) the peak of
     one that releases its cache before every new segment, about the least device the step runs on. Where even a
@@ -471,7 +494,9 @@ def _reserved_peaks(log: list[tuple[int, int, int]], device_bytes: int | None) -
     try:
         return reserved_peak(log, device_bytes), least
     except AllocatorOutOfMemory as exc:
-        return max(least, exc.needed_bytes), least
+        # the reservation that failed is needed whatever the cache held: the least device is no smaller
+        needed = max(least, exc.needed_bytes)
+        return needed, needed
 
 
 def breakdown_from_categories(categories: dict[str, int], optimizer_state_bytes: int) -> dict[str, int]:
