@@ -427,6 +427,13 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
             levers = levers or "none (the recipe)"
             print(f"{i:>2}  {_describe(p, shape):<{width}} {p.peak_bytes / scale:>9.2f} {(result.usable_bytes - p.peak_bytes) / scale:>9.2f} "
                   f"{p.relative_time:>8.2f}×  {'traced' if p.traced else 'interpolated':<12} {levers}", file=out)
+        for i, p in enumerate(result.plans, 1):
+            least = p.estimate.least_reserved_bytes
+            if p.peak_bytes == p.estimate.device_bytes and least is not None and least < p.peak_bytes:
+                # memory.step.within_device: a headroom of 0 here is the allocator using its room, not a tight fit
+                print(f"Plan {i} reaches the usable {format_bytes(p.peak_bytes)}: its allocator would cache more, and "
+                      f"releases its cached segments there instead; the step needs at least {format_bytes(least)}.",
+                      file=out)
         recorded, replayed, stretched = result.shared_regions
         rollouts = ([f"{recorded} generate calls traced, {replayed} replayed from those"] if replayed else []) + (
             [f"{stretched} made from short runs (memory.stretch)"] if stretched else [])
