@@ -8,6 +8,7 @@ exact and ``memory.plan_time`` ranks them. Exit code 0 when a plan fits, 2 when 
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 import time
@@ -26,6 +27,7 @@ from lit_memopt.cli_estimate import (
 )
 from lit_memopt.memory.batch import batch_geometry, resize_batch
 from lit_memopt.memory.plan import (
+    Candidate,
     PlanResult,
     Prediction,
     RecipeShape,
@@ -375,7 +377,10 @@ def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Predict
 
 
 def _describe(p: Prediction, shape: RecipeShape) -> str:
-    c = p.candidate
+    return _describe_candidate(p.candidate, shape)
+
+
+def _describe_candidate(c: Candidate, shape: RecipeShape) -> str:
     ck = c.checkpointing
     checkpointing = ("no checkpointing" if not ck else "checkpointing" if ck is True
                      else f"checkpointing every {_ordinal(int(ck))} block")
@@ -446,6 +451,14 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
                   f"{'traced' if q.traced else 'interpolated'}).", file=out)
         for lever in dict.fromkeys(m for p in result.plans for m in p.candidate.maths):
             print(f"Changes the maths: {_effect(cfg, lever)}.", file=out)
+        if result.untried is not None:
+            faster, relative = result.untried
+            overrides = plan_overrides(cfg, result, dataclasses.replace(result.recipe, candidate=faster))
+            replaced = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+            kept = [a for a in argv if a.split("=", 1)[0].lstrip("+") not in replaced]
+            print(f"The recipe fits as given, so it is kept; untraced, {_describe_candidate(faster, shape)} is predicted "
+                  f"at {relative:.2f}× its step time. To plan from there: "
+                  f"{' '.join(['lit-memopt', 'plan', *(shlex.quote(a) for a in [*kept, *overrides])])}", file=out)
         print(fit_command(argv, cfg, result, result.plans[0]), file=out)
     else:
         # every plan was predicted (the closest's peak), or the optimizer step alone rules them all out (its floor)

@@ -331,3 +331,20 @@ def test_a_reserved_line_past_the_device_is_judged_as_the_allocator_would() -> N
     tight = _plan(int((recipe_live + 30 * MIB) / 0.9), trace=_cached(usable_bytes(int((recipe_live + 30 * MIB) / 0.9), 0.1)))
     recipe = next(p for p in [*tight.plans, tight.fastest_not_fitting] if p is not None and p.candidate == SHAPE.recipe)
     assert recipe.peak_bytes == recipe_live + 64 * MIB and not tight.best.candidate == SHAPE.recipe
+
+
+def test_a_recipe_that_fits_with_costly_levers_is_kept_and_the_faster_step_named() -> None:
+    """A recipe that checkpoints and accumulates, on a budget that does not bind: it is kept as given (one trace), and
+    the fastest candidate the time model puts before it is named, untraced, for a plan from there."""
+    shape = dataclasses.replace(SHAPE, rows=4, accumulation=4, checkpointing=True)
+    result = _plan(80 * 2**30, shape)
+    assert result.fits and result.best.candidate == shape.recipe and result.traces == 1
+    assert result.untried is not None
+    faster, relative = result.untried
+    assert relative < 1.0 and not faster.checkpointing and faster.micro_batch > 4
+    # the lever-free recipe has nothing faster to name
+    assert _plan(80 * 2**30).untried is None
+    # a module without the checkpointing switch: only the micro-batch can be named
+    fixed = dataclasses.replace(shape, checkpointing=None)
+    named = _plan(80 * 2**30, fixed).untried
+    assert named is not None and named[0].checkpointing == fixed.recipe.checkpointing and named[0].micro_batch == 16

@@ -157,6 +157,10 @@ class PlanResult:
     # (recorded, replayed, stretched): rollouts traced once and replayed in the other traces (memory.replay), and
     # long ones made from short runs (memory.stretch), set by the caller
     shared_regions: tuple[int, int, int] = (0, 0, 0)
+    # When the recipe fits as given, its one trace is the answer (a budget that does not bind changes nothing), even
+    # where it pulls levers that cost time (checkpointing, accumulation): then the fastest candidate the time model puts
+    # before it, untraced, and its time relative to the recipe's, for a plan from there (``None``: there is none).
+    untried: tuple[Candidate, float] | None = None
 
     @property
     def fits(self) -> bool:
@@ -263,8 +267,11 @@ def search_plans(
     usable = usable_bytes(memory_bytes, margin)
     search = _PlanSearch(trace, shape, usable, device=device, use_reserved=use_reserved, offload=offload)
     search.run()
-    return _rank(shape, memory_bytes, usable, margin, device, search.preds, search.recipe, search.preds[search.recipe],
-                 len(search.traces.done), search.floor)
+    result = _rank(shape, memory_bytes, usable, margin, device, search.preds, search.recipe, search.preds[search.recipe],
+                   len(search.traces.done), search.floor)
+    if search.untried is not None:
+        result.untried = (search.untried, search.seconds(search.untried) / result.recipe.seconds)
+    return result
 
 
 class _PlanSearch:
@@ -301,6 +308,7 @@ class _PlanSearch:
         self.work = _work_from(base, shape)
         self.preds: dict[Candidate, Prediction] = {}
         self.floor = 0
+        self.untried: Candidate | None = None
 
     def passes(self, m: int) -> int:
         return -(-self.covered // m)
@@ -374,6 +382,8 @@ class _PlanSearch:
         elif recipe_fits or (fitting_at_recipe and not faster):
             # the recipe fits (nothing else can be faster: every lever adds work), or it fits under a strategy before
             # which no other open candidate is predicted faster: its one trace is the answer
+            if recipe_fits:
+                self.untried = self.fastest_untried(floors)
             self.sizes = [recipe.micro_batch]
             candidates = same_step
         elif fitting_at_recipe:
@@ -393,6 +403,18 @@ class _PlanSearch:
         if self.shape.activation_offload is False and floor <= usable:
             self.search_activation_offload(
                 [c for c in self.grid(True) if floors[(c.strategy, c.offload)] <= usable], smallest)
+
+    def fastest_untried(self, floors: dict[tuple[str, bool], int]) -> Candidate | None:
+        """The fastest candidate the time model puts before the recipe, with its checkpointing off too (the search
+        itself only adds checkpointing to a recipe's), where its optimizer step leaves room; ``None``: none is."""
+        recipe, bound = self.recipe, self.seconds(self.recipe)
+        # (a module without the switch has one setting, None)
+        settings = self.checkpointing if self.shape.checkpointing is None else {False, *self.checkpointing}
+        grid = sorted(Candidate(m, self.passes(m), ck, st, off, self.shape.maths, recipe.activation_offload)
+                      for m in self.sizes for ck in settings for st, off in self.strategies
+                      if floors[(st, off)] <= self.usable)
+        faster = [c for c in grid if self.seconds(c) < bound]
+        return min(faster, key=lambda c: (self.seconds(c), c)) if faster else None
 
     def settle(self) -> None:
         """Trace the best interpolated candidates (and the fastest that does not fit, the plan's tightness) until the
