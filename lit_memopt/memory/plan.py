@@ -359,8 +359,8 @@ class _PlanSearch:
         """Predict the candidates worth predicting into ``preds``, the fastest fitting ones traced."""
         recipe, usable, strategies = self.recipe, self.usable, self.strategies
         candidates = self.grid(recipe.activation_offload)
-        # Cheapest answers first. The recipe fits: nothing else can be faster (every lever adds work), so its own
-        # trace is the answer. The step with every lever does not fit: nothing does. Otherwise trace the rest.
+        # Cheapest answers first. The recipe fits: its own trace is the answer (what the time model puts before it is
+        # named, not traced). The step with every lever does not fit: nothing does. Otherwise trace the rest.
         recipe_fits = self.predict(recipe, exact=True).peak_bytes <= usable
         floors = {(s, o): state_floor(self.predict(dataclasses.replace(recipe, strategy=s, offload=o)).estimate)
                   for s, o in strategies}
@@ -380,8 +380,8 @@ class _PlanSearch:
             # micro-batch or checkpointing: when they alone pass the budget, no exact lever can help (one trace).
             candidates = [dataclasses.replace(recipe, strategy=s, offload=o) for s, o in strategies]
         elif recipe_fits or (fitting_at_recipe and not faster):
-            # the recipe fits (nothing else can be faster: every lever adds work), or it fits under a strategy before
-            # which no other open candidate is predicted faster: its one trace is the answer
+            # the recipe fits (a budget that does not bind changes nothing; a faster step is only named), or it fits
+            # under a strategy before which no other open candidate is predicted faster: its one trace is the answer
             if recipe_fits:
                 self.untried = self.fastest_untried(floors)
             self.sizes = [recipe.micro_batch]
