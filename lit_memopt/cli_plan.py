@@ -369,11 +369,15 @@ def plan_overrides(cfg: Any, result: PlanResult, plan: Prediction) -> list[str]:
 
 def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Prediction) -> str:
     """``lit-memopt fit ...``: the user's overrides (less the plan's own and a replaced trainer) and the plan's."""
-    overrides = plan_overrides(cfg, result, plan)
-    replaced = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-    kept = [a for a in argv if not a.startswith(_PLAN_ONLY) and a.split("=", 1)[0].lstrip("+") not in replaced]
     extra = [f"memory_budget={format_bytes(result.memory_bytes).replace(' ', '')}"] if result.device.name.startswith("CPU") else []
-    return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in [*kept, *overrides, *extra])])
+    return _command("fit", [a for a in argv if not a.startswith(_PLAN_ONLY)], [*plan_overrides(cfg, result, plan), *extra])
+
+
+def _command(verb: str, argv: Sequence[str], overrides: Sequence[str]) -> str:
+    """``lit-memopt VERB``: the user's arguments less those ``overrides`` set again, then ``overrides``."""
+    replaced = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    kept = [a for a in argv if a.split("=", 1)[0].lstrip("+") not in replaced]
+    return " ".join(["lit-memopt", verb, *(shlex.quote(a) for a in [*kept, *overrides])])
 
 
 def _describe(p: Prediction, shape: RecipeShape) -> str:
@@ -454,11 +458,8 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
         if result.untried is not None:
             faster, relative = result.untried
             overrides = plan_overrides(cfg, result, dataclasses.replace(result.recipe, candidate=faster))
-            replaced = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-            kept = [a for a in argv if a.split("=", 1)[0].lstrip("+") not in replaced]
             print(f"The recipe fits as given, so it is kept; untraced, {_describe_candidate(faster, shape)} is predicted "
-                  f"at {relative:.2f}× its step time. To plan from there: "
-                  f"{' '.join(['lit-memopt', 'plan', *(shlex.quote(a) for a in [*kept, *overrides])])}", file=out)
+                  f"at {relative:.2f}× its step time. To plan from there: {_command('plan', argv, overrides)}", file=out)
         print(fit_command(argv, cfg, result, result.plans[0]), file=out)
     else:
         # every plan was predicted (the closest's peak), or the optimizer step alone rules them all out (its floor)
