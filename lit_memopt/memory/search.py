@@ -19,12 +19,6 @@ __all__ = ["BatchFit", "largest_micro_batch", "usable_bytes", "initial_micro_bat
 
 # Share of the device kept free for what the allocator model does not see (see the README's "Will it fit?").
 DEFAULT_SAFETY_MARGIN = 0.1
-
-
-def usable_bytes(memory_bytes: int, safety_margin: float) -> int:
-    """What a step may take of ``memory_bytes`` after the safety margin: the budget every fit is judged on, and the
-    device size the allocator model releases its cache at (``estimate_peak``'s ``device_bytes``)."""
-    return int(memory_bytes * (1.0 - float(safety_margin)))
 # Instance attributes that Lightning or a callback may have put on a module (wrappers bound to the
 # real module); a fake copy must use its class's methods instead.
 _HOOK_NAMES = (
@@ -51,6 +45,11 @@ class BatchFit:
     next_peak_bytes: int | None
     probes: dict[int, int] = field(default_factory=dict)
 
+
+def usable_bytes(memory_bytes: int, safety_margin: float) -> int:
+    """What a step may take of ``memory_bytes`` after the safety margin: the budget every fit is judged on, and the
+    device size the allocator model releases its cache at (``estimate_peak``'s ``device_bytes``)."""
+    return int(memory_bytes * (1.0 - float(safety_margin)))
 
 
 def largest_micro_batch(
