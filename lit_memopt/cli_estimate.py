@@ -145,7 +145,7 @@ def with_fake_weights(model_config: Any) -> Any:
 
     out = copy.copy(model_config)
     object.__setattr__(out, "build_model", fake_build_model)
-    object.__setattr__(out, "fake_mode", mode)  # build_fake_run re-makes copies' fakes (deepcopy) in it
+    object.__setattr__(out, "fake_mode", mode)  # build_fake_run re-makes fakes of other modes in it (adopt_fakes)
     return out
 
 
@@ -217,7 +217,8 @@ def build_fake_run(cfg: Any, blocks: int | None, callbacks: list[Any] | None = N
     run = instantiate_run(step_config(cfg), prepare_model_config=prepare)
     module = run.module
     if modes:
-        # A frozen reference deep-copied from the policy (GRADE, Intuitor, CRSP) is made of fakes of a new mode.
+        # One mode for the module's fakes: each model built here has its own (a reference copied from the policy
+        # stays in the policy's, see FastFakeTensorMode.__deepcopy__).
         adopt_fakes(module, modes[-1])
     for callback in activation_checkpointing_callbacks(cfg) if callbacks is None else callbacks:
         # as the callback's setup wraps the layers; its activation offload as device memory sees it (memory.offload)

@@ -162,17 +162,46 @@ def test_whole_estimates_equal_those_of_torchs_dispatch(recipe: str, monkeypatch
     assert _report(overrides) == fast
 
 
-def test_adopt_fakes_remakes_a_deep_copys_fakes_in_the_models_mode_keeping_ties() -> None:
+def test_a_deep_copy_of_fakes_stays_in_their_mode_and_takes_no_storage_weak_reference_twice() -> None:
+    """A frozen reference deep-copied from a fake policy: torch's copy of a fake copies its mode, and with it the
+    converter's ``StorageWeakRef`` keys without a weak reference of their own; each storage's weak count is then
+    released twice, which crashed a plan's teardown (use after free). Our mode is not copied."""
     import copy
+    import gc
 
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from lit_memopt.memory.fake import fake_mode
+
+    def duplicated_weak_refs() -> int:
+        refs = [o.cdata for o in gc.get_objects() if isinstance(o, StorageWeakRef)]
+        return len(refs) - len(set(refs))
+
+    before = duplicated_weak_refs()
+    with fake_mode(allow_non_fake_inputs=True) as mode:
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+        model[1].weight = model[0].weight  # tied head
+        scale = torch.tensor(2.0) * 3  # constant propagation: a constant fake, its real storage keyed weakly
+    assert scale.constant is not None and mode.fake_tensor_converter.constant_storage_mapping
+    reference = copy.deepcopy(model).requires_grad_(False)
+    assert reference[0].weight.fake_mode is mode and reference[0].weight is not model[0].weight
+    assert reference[1].weight is reference[0].weight and model[0].weight.requires_grad
+    assert duplicated_weak_refs() == before
+    with mode:  # the copy is used as the policy's own fakes
+        assert (reference[1](reference[0](torch.zeros(2, 3, dtype=torch.long)))).shape == (2, 3, 50)
+
+
+def test_adopt_fakes_remakes_another_modes_fakes_in_the_models_mode_keeping_ties() -> None:
     from lit_memopt.memory.fake import adopt_fakes, fake_mode
 
     with fake_mode(allow_non_fake_inputs=True) as mode:
         model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
-        model[1].weight = model[0].weight  # tied head
-        model.register_buffer("scale", torch.ones(3, 2).t())
-    reference = copy.deepcopy(model).requires_grad_(False)
-    assert reference[0].weight.fake_mode is not mode  # what deepcopy does to fakes
+    with fake_mode(allow_non_fake_inputs=True) as other:  # another build (with_fake_weights makes a mode per build)
+        reference = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+        reference[1].weight = reference[0].weight  # tied head
+        reference.register_buffer("scale", torch.ones(3, 2).t())
+    reference.requires_grad_(False)
+    assert reference[0].weight.fake_mode is other
     holder = torch.nn.ModuleDict({"policy": model, "reference": reference})
     assert adopt_fakes(holder, mode) == 2  # the tied weight once, the buffer
     assert reference[1].weight is reference[0].weight and isinstance(reference[0].weight, torch.nn.Parameter)

@@ -156,7 +156,24 @@ class FastFakeTensorMode(FakeTensorMode):
     tells no two calls apart that torch's key tells apart. Anything else (a shape environment, symbolic sizes, sparse
     tensors, graph or function arguments) takes torch's own key. Checked against the stock mode by the tripwire of
     ``FakeTensorMode._cache_key`` in ``tests/test_compat.py``.
+
+    A deep copy of one of its fakes (a frozen reference copied from the policy) stays in this mode, see
+    :meth:`__deepcopy__`.
     """
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FastFakeTensorMode:
+        """The mode itself: a mode is the context its fakes live in, not data of theirs.
+
+        ``Tensor.__deepcopy__`` deep-copies a fake's ``__dict__``, and with it the ``fake_mode`` held there. A copied
+        mode copies its converter's ``constant_storage_mapping``, whose ``StorageWeakRef`` keys are copied field by
+        field: the copy holds the same raw weak pointer without taking a weak reference of its own, so the storage's
+        weak count is released twice, once by each key's ``__del__``, and the storage is freed while a key still
+        points at it. Released later, that key read freed memory: the segmentation faults of a plan's or an
+        estimate's teardown after a traced Intuitor step (valgrind: an invalid read in ``THPStorage_freeWeakRef``
+        from ``StorageWeakRef.__del__``). Shared, the copy's fakes are also this mode's own: no conversion on use.
+        """
+        memo[id(self)] = self
+        return self
 
     def _cache_key(self, state: Any, func: Any, args: Any, kwargs: Any) -> Any:
         if self.shape_env is None:

@@ -38,9 +38,11 @@ def fake_mode(*, allow_non_fake_inputs: bool = False) -> Iterator[FakeTensorMode
 def adopt_fakes(module: torch.nn.Module, mode: FakeTensorMode) -> int:
     """Re-make in ``mode`` each parameter and buffer of ``module`` that is a fake tensor of another fake mode.
 
-    ``copy.deepcopy`` of a fake-weight model (a frozen reference copy of the policy) gives tensors of a new fake
-    mode. A step traced in ``mode`` converts such a tensor on every use it does not memoize, and the tracker counts
-    each conversion as a new allocation (GRADE's tied reference head: 0.72 GiB of phantom activations at Qwen3-4B).
+    A module whose models were built in several fake modes (each ``with_fake_weights`` build has its own), or copied
+    under a mode other than :class:`~lit_memopt._compat.torch.FastFakeTensorMode` (whose deep copies stay in it: torch's
+    ``copy.deepcopy`` of a fake gives a fake of a new mode), has fakes that are not ``mode``'s. A step traced in
+    ``mode`` converts such a tensor on every use it does not memoize, and the tracker counts each conversion as a new
+    allocation (GRADE's tied reference head: 0.72 GiB of phantom activations at Qwen3-4B).
     Re-made here once, with the same shape, strides, dtype, device and ``requires_grad``; tensors shared by several
     modules (tied weights) stay shared. Returns how many distinct tensors were re-made.
     """
