@@ -34,7 +34,7 @@ deterministic.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lit_memopt.memory.blocks import extrapolate
@@ -313,10 +313,12 @@ class _PlanSearch:
     def passes(self, m: int) -> int:
         return -(-self.covered // m)
 
-    def grid(self, activation_offload: bool) -> list[Candidate]:
-        """Every candidate of the current sizes, checkpointing settings and strategies."""
+    def grid(self, activation_offload: bool, checkpointing: Iterable[bool | int] | None = None) -> list[Candidate]:
+        """Every candidate of the current sizes, checkpointing settings (``checkpointing``: these instead) and
+        strategies."""
+        settings = self.checkpointing if checkpointing is None else checkpointing
         return sorted(Candidate(m, self.passes(m), ck, st, off, self.shape.maths, activation_offload)
-                      for m in self.sizes for ck in self.checkpointing for st, off in self.strategies)
+                      for m in self.sizes for ck in settings for st, off in self.strategies)
 
     def predict(self, c: Candidate, *, exact: bool = False) -> Prediction:
         acc = c.accumulation > 1
@@ -407,14 +409,13 @@ class _PlanSearch:
     def fastest_untried(self, floors: dict[tuple[str, bool], int]) -> Candidate | None:
         """The fastest candidate the time model puts before the recipe, with its checkpointing off too (the search
         itself only adds checkpointing to a recipe's), where its optimizer step leaves room; ``None``: none is."""
-        recipe, bound = self.recipe, self.seconds(self.recipe)
+        bound = self.seconds(self.recipe)
         # (a module without the switch has one setting, None)
         settings = self.checkpointing if self.shape.checkpointing is None else {False, *self.checkpointing}
-        grid = sorted(Candidate(m, self.passes(m), ck, st, off, self.shape.maths, recipe.activation_offload)
-                      for m in self.sizes for ck in settings for st, off in self.strategies
-                      if floors[(st, off)] <= self.usable)
-        faster = [c for c in grid if self.seconds(c) < bound]
-        return min(faster, key=lambda c: (self.seconds(c), c)) if faster else None
+        timed = [(self.seconds(c), c) for c in self.grid(self.recipe.activation_offload, settings)
+                 if floors[(c.strategy, c.offload)] <= self.usable]
+        faster = [(t, c) for t, c in timed if t < bound]
+        return min(faster)[1] if faster else None
 
     def settle(self) -> None:
         """Trace the best interpolated candidates (and the fastest that does not fit, the plan's tightness) until the
