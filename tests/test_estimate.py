@@ -225,6 +225,45 @@ def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys, m
     assert len(devices) >= 3 and set(devices) == {int(16 * 2**20 * 0.8)}, devices
 
 
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cli_estimate_traces_every_block_when_asked(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    """trace_all_blocks=true: one trace of the whole decoder (the reserved figure replayed, not a line through
+    probes); the allocated peak is the one the block line predicts. A bad value and plan get errors that say why."""
+    import lit_memopt.cli_estimate as cli_estimate
+
+    blocks_traced = []
+
+    def spy(module, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        blocks_traced.append(sum(len(m) for name, m in module.named_modules() if name.endswith("layers")))
+        return estimate_peak(module, *args, **kwargs)
+
+    monkeypatch.setattr(cli_estimate, "estimate_peak", spy)
+    args = ["recipe=sft", "model=tiny_qwen3", "model.arch.num_hidden_layers=6", "batch_size=2", "seq_len=32",
+            "data.num_train=32", "data.num_val=8"]
+    peaks = {}
+    for whole in (False, True):
+        blocks_traced.clear()
+        code, out, _ = _cli([*args, f"trace_all_blocks={str(whole).lower()}"], tmp_path, capsys)
+        assert code == 0, out
+        text = " ".join(out.split())
+        peaks[whole] = re.search(r"peak \(allocated\) │ ([0-9.]+ [KMG]iB)", text).group(1)
+        if whole:
+            assert blocks_traced == [6] and "How: full trace." in text, (blocks_traced, text)
+        else:
+            # the block probes are memory.blocks' own traces: none of the whole decoder here
+            assert blocks_traced == [] and "extrapolated to 6" in text, (blocks_traced, text)
+    assert peaks[True] == peaks[False]
+    with pytest.raises(SystemExit) as exc:
+        _cli([*args, "trace_all_blocks=sometimes"], tmp_path, capsys)
+    assert exc.value.code == 2 and "trace_all_blocks must be true or false" in capsys.readouterr().err
+    from lit_memopt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *args, "gpu_memory=1GiB", "trace_all_blocks=true", f"hydra.run.dir={tmp_path}"])
+    assert exc.value.code == 2 and "trace_all_blocks is an estimate option" in capsys.readouterr().err
+
+
 def test_cli_estimate_rejects_bad_names_and_sizes(tmp_path, capsys) -> None:  # noqa: ANN001
     code, _, err = _cli(["recipe=no_such_recipe"], tmp_path, capsys)
     assert code == 2 and "unknown recipe 'no_such_recipe'" in err and "sft" in err

@@ -57,13 +57,13 @@ def test_recipe_warm_starts_validates_first_and_caches(tmp_path: Path) -> None:
     (KL 0 at the first step), the first held-out accuracy is in the summary, and a second run reuses the file."""
     from test_cli import run_cli
 
-    args = ["fit", "recipe=intuitor", "module.warm_start.steps=30", "module.num_samples=4", "module.max_new_tokens=6",
+    args = ["fit", "recipe=intuitor", "module.warm_start.steps=10", "module.num_samples=4", "module.max_new_tokens=6",
             "data.num_val=8", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
             "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"]
     first = run_cli(args, cwd=tmp_path, timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
     output = first.stdout + first.stderr
-    assert "IntuitorModule warm start: 30 supervised steps on the task family" in output
+    assert "IntuitorModule warm start: 10 supervised steps on the task family" in output
     assert (tmp_path / "run" / "warm_start.pt").is_file()
     import csv
 
