@@ -182,6 +182,19 @@ def numerator_gradient_(numerators: Tensor, row_scale: Tensor, row_shift: Option
     return numerators if row_shift is None else numerators.sub_(row_shift)
 
 
+def add_target_term_(grad_tile: Tensor, targets: Tensor, at_target: Tensor, v0: int, v1: int, vocab: int) -> Tensor:
+    """Add each row's one-hot term ``at_target`` (``[rows, 1]``, already through :func:`chain_to_raw`) in place at its
+    target's column of a held block's gradient tile of vocabulary ids ``v0 ... v1 - 1`` (of ``vocab``); rows whose
+    target lies in another tile add nothing here. One scatter of ``rows`` values per tile, where adding the term after
+    the products (``W[y]`` gathered, and ``h`` scattered into the weight gradient) costs ``rows x hidden`` three times:
+    at a small vocabulary that is most of the call."""
+    if v0 == 0 and v1 == vocab:
+        return grad_tile.scatter_add_(1, targets.unsqueeze(1), at_target)
+    inside = ((targets >= v0) & (targets < v1)).unsqueeze(1)
+    columns = (targets - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)
+    return grad_tile.scatter_add_(1, columns, at_target * inside)
+
+
 def _fold_tile(z: Tensor, ref_z: Optional[Tensor], run_max: Tensor, run_sum: Tensor, sum_ez: Optional[Tensor],
                sum_z: Optional[Tensor], target_z: Optional[Tensor], targets: Optional[Tensor], v0: int,
                ref_max: Optional[Tensor], ref_sum: Optional[Tensor], sum_ed: Optional[Tensor]):
