@@ -2,6 +2,11 @@
 
 Pairs put a memory technique against its baseline at the same scale: GRADE optimized vs legacy,
 SFT with vs without activation checkpointing. Run alone with ``python -m benchmarks.estimates [--quick]``.
+
+Each case also gives the reserved peak two ways: the estimate's (a line through the 1- and 2-block traces' replayed
+allocator figures) and, for the ``--quick`` cases, the whole model's (``trace_all_blocks=true``: every block traced,
+the whole step replayed); they can differ by several GiB (docs/will-it-fit.md). On CUDA the step's
+``torch.cuda.max_memory_reserved`` is recorded beside them, to say which of the two a real allocator follows.
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ def compose(overrides: list[str]) -> Any:
         GlobalHydra.instance().clear()
 
 
-def estimate_case(label: str, overrides: list[str]) -> dict[str, Any]:
-    """One recipe's estimate as a JSON-ready dict (``error`` set when it could not be estimated)."""
+def estimate_case(label: str, overrides: list[str], whole: bool = True) -> dict[str, Any]:
+    """One recipe's estimate as a JSON-ready dict (``error`` set when it could not be estimated); with ``whole``, the
+    reserved peak of the whole model's trace too."""
     from lit_memopt.cli_estimate import estimate_recipe
 
     started = time.perf_counter()
@@ -71,6 +77,20 @@ def estimate_case(label: str, overrides: list[str]) -> dict[str, Any]:
         entry["seconds"] = time.perf_counter() - started
         return entry
     est = report.estimate
+    # The measured step ran last (estimate_recipe resets the peak statistics before it): its reserved high-water mark.
+    measured_reserved = torch.cuda.max_memory_reserved() if report.measured_peak_bytes is not None else None
+    traced = None
+    if whole:
+        try:
+            traced = estimate_recipe(compose([*overrides, "trace_all_blocks=true"])).estimate
+        except Exception as exc:  # noqa: BLE001 - the block line's figures stand on their own
+            entry["whole_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+    entry.update(
+        reserved_peak_bytes=est.reserved_peak_bytes,
+        whole_reserved_peak_bytes=None if traced is None else traced.reserved_peak_bytes,
+        whole_peak_bytes=None if traced is None else traced.peak_bytes,
+        measured_reserved_bytes=measured_reserved,
+    )
     entry.update(
         recipe=report.recipe,
         model=report.model,
@@ -127,8 +147,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         + ". `lit-memopt estimate` machinery: fake tensors and PyTorch's "
         "MemTracker; optimizer states exist before the step (steady state), foreach optimizer as on CUDA.",
         "",
-        "| recipe | batch | predicted peak | params | grads | optimizer | activations | temporaries | peak during | measured | s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| recipe | batch | predicted peak | params | grads | optimizer | activations | temporaries | peak during | measured "
+        "| reserved: block line | traced whole | measured | s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
 
     def gib(n: Any) -> str:
@@ -136,14 +157,15 @@ def to_markdown(result: dict[str, Any]) -> str:
 
     for e in result["estimates"]:
         if "error" in e:
-            lines.append(f"| {e['label']} | | not estimable: {e['error'][:140]} | | | | | | | | {e['seconds']:.0f} |")
+            lines.append(f"| {e['label']} | | not estimable: {e['error'][:140]} | | | | | | | | | | | {e['seconds']:.0f} |")
             continue
         b = e["breakdown"]
         shape = f"{e['batch_size']}×{e['seq_len']}" if e.get("seq_len") else str(e["batch_size"])
         lines.append(
             f"| {e['label']} | {shape} | {gib(e['peak_bytes'])} | {gib(b['parameters'])} | {gib(b['gradients'])} | "
             f"{gib(b['optimizer_state'])} | {gib(b['activations'])} | {gib(b['temporaries'])} | {e['peak_phase']} | "
-            f"{gib(e.get('measured_peak_bytes'))} | {e['seconds']:.0f} |"
+            f"{gib(e.get('measured_peak_bytes'))} | {gib(e.get('reserved_peak_bytes'))} | "
+            f"{gib(e.get('whole_reserved_peak_bytes'))} | {gib(e.get('measured_reserved_bytes'))} | {e['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -151,7 +173,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 def run(quick: bool = False, write: bool = True) -> dict[str, Any]:
     """Estimate every case; write ``results/estimates_<device>[_quick].{md,json}``; return the data with ``report_rows``."""
     cases = CASES_QUICK if quick else CASES_FULL
-    estimates = [estimate_case(label, overrides) for label, overrides in cases]
+    # Whole-model traces for the quick cases only: the full list's GRADE and CRSP would take many minutes each.
+    estimates = [estimate_case(label, overrides, whole=quick) for label, overrides in cases]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result: dict[str, Any] = {
         "benchmark": "estimates",

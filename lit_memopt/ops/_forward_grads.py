@@ -34,8 +34,8 @@ from torch import Tensor
 
 from lit_memopt.ops._fused_tiles import (
     _fold_tile,
-    add_target_term_,
     _tile_logit_gradient,
+    add_target_term_,
     finish_rows,
     fold_tile,
     numerator_gradient_,
