@@ -63,6 +63,11 @@ def compose(overrides: list[str]) -> Any:
         GlobalHydra.instance().clear()
 
 
+def _error_text(exc: Exception) -> str:
+    """An estimate's failure as one line for the results: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+
+
 def estimate_case(label: str, overrides: list[str], whole: bool = True) -> dict[str, Any]:
     """One recipe's estimate as a JSON-ready dict (``error`` set when it could not be estimated); with ``whole``, the
     reserved peak of the whole model's trace too."""
@@ -73,7 +78,7 @@ def estimate_case(label: str, overrides: list[str], whole: bool = True) -> dict[
     try:
         report = estimate_recipe(compose(overrides))
     except Exception as exc:  # noqa: BLE001 - a recipe that cannot be estimated is a result, not a crash
-        entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+        entry["error"] = _error_text(exc)
         entry["seconds"] = time.perf_counter() - started
         return entry
     est = report.estimate
@@ -84,14 +89,12 @@ def estimate_case(label: str, overrides: list[str], whole: bool = True) -> dict[
         try:
             traced = estimate_recipe(compose([*overrides, "trace_all_blocks=true"])).estimate
         except Exception as exc:  # noqa: BLE001 - the block line's figures stand on their own
-            entry["whole_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+            entry["whole_error"] = _error_text(exc)
     entry.update(
         reserved_peak_bytes=est.reserved_peak_bytes,
         whole_reserved_peak_bytes=None if traced is None else traced.reserved_peak_bytes,
         whole_peak_bytes=None if traced is None else traced.peak_bytes,
         measured_reserved_bytes=measured_reserved,
-    )
-    entry.update(
         recipe=report.recipe,
         model=report.model,
         batch_size=est.batch_size,

@@ -225,7 +225,6 @@ def test_cli_estimate_prints_the_table_and_the_fitting_batch(tmp_path, capsys, m
     assert len(devices) >= 3 and set(devices) == {int(16 * 2**20 * 0.8)}, devices
 
 
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_cli_estimate_traces_every_block_when_asked(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
     """trace_all_blocks=true: one trace of the whole decoder (the reserved figure replayed, not a line through
@@ -294,7 +293,6 @@ def test_benchmark_runner_normalises_results_and_survives_failures(tmp_path, cap
     assert "estimates" in discover_cases()
     assert main(["--only", "not_a_case", "--out", str(tmp_path)]) == 2
     assert "unknown case(s) not_a_case" in capsys.readouterr().err
-
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
