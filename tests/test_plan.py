@@ -348,3 +348,24 @@ def test_a_recipe_that_fits_with_costly_levers_is_kept_and_the_faster_step_named
     fixed = dataclasses.replace(shape, checkpointing=None)
     named = _plan(80 * 2**30, fixed).untried
     assert named is not None and named[0].checkpointing == fixed.recipe.checkpointing and named[0].micro_batch == 16
+
+
+def test_a_checkpointed_recipe_that_does_not_fit_is_planned_as_if_it_did_not_checkpoint() -> None:
+    """Checkpointing off is searched too: for a recipe that checkpoints every block and does not fit, the plan is the
+    same as for the recipe without checkpointing (same candidates), which takes it off where accumulation fits faster."""
+    plain_shape = dataclasses.replace(SHAPE, tokens_per_row=4096)  # compute-bound: accumulating costs less than recomputing
+    ckpt = dataclasses.replace(plain_shape, checkpointing=True)
+    took_off = 0
+    for gib in (1.9, 2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.3):
+        plain, checkpointed = _plan(int(gib * 2**30), plain_shape), _plan(int(gib * 2**30), ckpt)
+        if checkpointed.best is None or checkpointed.best.candidate == ckpt.recipe:
+            continue  # the recipe fits as given: kept unchanged
+        assert plain.best.candidate == checkpointed.best.candidate, gib
+        assert plain.best.peak_bytes == checkpointed.best.peak_bytes
+        if checkpointed.best.candidate.checkpointing is False:
+            took_off += 1
+            # priced against the same plan checkpointed (predicted from the traces made, not ranked)
+            saved, cost = checkpointed.best.levers["checkpointing"]
+            assert saved < 0 and cost < 0, (saved, cost)  # taking it off costs memory and saves time
+            assert checkpointed.best.relative_time < 1.0  # faster than the checkpointed step as given
+    assert took_off

@@ -4,8 +4,9 @@ The levers searched keep the maths of a step exact:
 
 - the micro-batch ``m`` with gradient accumulation ``G / m``, where ``G`` (the recipe's rows per rank and
   optimizer step) stays the same, so the global batch does;
-- activation checkpointing of every decoder block, or of every k-th (``RecipeShape.checkpoint_periods``: half the
-  recomputation and about half the saving for k=2), through the module's own switch;
+- activation checkpointing: none, of every decoder block, or of every k-th (``RecipeShape.checkpoint_periods``: half
+  the recomputation and about half the saving for k=2), through the module's own switch, whatever the recipe's own
+  setting (a checkpointed recipe that does not fit may fit faster without, at a smaller micro-batch);
 - the data-parallel strategy: FSDP2 instead of DDP over the same devices, or the reverse;
 - FSDP2 with its parameters, gradients and optimizer state offloaded to host memory (``CPUOffloadPolicy``),
   on one device as well as several (not for ``plan.device=cpu``, whose device is the host);
@@ -268,7 +269,7 @@ def search_plans(
     search = _PlanSearch(trace, shape, usable, device=device, use_reserved=use_reserved, offload=offload)
     search.run()
     result = _rank(shape, memory_bytes, usable, margin, device, search.preds, search.recipe, search.preds[search.recipe],
-                   len(search.traces.done), search.floor)
+                   len(search.traces.done), search.floor, search.untraced_reference)
     if search.untried is not None:
         result.untried = (search.untried, search.seconds(search.untried) / result.recipe.seconds)
     return result
@@ -292,8 +293,9 @@ class _PlanSearch:
         # step has.
         self.covered = shape.step_sequences if shape.micro_batch_key and shape.step_sequences else g
         self.sizes = [g] if shape.micro_batch_key == "" else sorted(set(divisors(self.covered)) | {recipe.micro_batch})
+        # checkpointing off too: a recipe that checkpoints and does not fit may fit faster with smaller micro-batches
         self.checkpointing = ([recipe.checkpointing] if shape.checkpointing is None
-                              else sorted({recipe.checkpointing, True, *shape.checkpoint_periods}, key=recompute_share))
+                              else sorted({False, True, *shape.checkpoint_periods}, key=recompute_share))
         if shape.world_size <= 1:
             strategies = [(shape.strategy, shape.offload)]
         else:
@@ -406,13 +408,22 @@ class _PlanSearch:
             self.search_activation_offload(
                 [c for c in self.grid(True) if floors[(c.strategy, c.offload)] <= usable], smallest)
 
+    def untraced_reference(self, c: Candidate) -> Prediction | None:
+        """``c`` predicted from the traces already made (a plan's lever priced against the plan without it), or
+        ``None`` where that would take a new trace, or where ``c`` is no candidate of the search (reverting one lever of
+        a plan can leave another without its ground: CPU offload under DDP)."""
+        if (c.strategy, c.offload) not in self.strategies or c.checkpointing not in self.checkpointing:
+            return None
+        key = (_setting(c), c.micro_batch, c.accumulation > 1)
+        if key in self.traces.done or len(self.traces.probes(key[0], key[2])) >= 2:
+            return self.predict(c)
+        return None
+
     def fastest_untried(self, floors: dict[tuple[str, bool], int]) -> Candidate | None:
-        """The fastest candidate the time model puts before the recipe, with its checkpointing off too (the search
-        itself only adds checkpointing to a recipe's), where its optimizer step leaves room; ``None``: none is."""
+        """The fastest candidate the time model puts before the recipe, where its optimizer step leaves room; ``None``:
+        none is."""
         bound = self.seconds(self.recipe)
-        # (a module without the switch has one setting, None)
-        settings = self.checkpointing if self.shape.checkpointing is None else {False, *self.checkpointing}
-        timed = [(self.seconds(c), c) for c in self.grid(self.recipe.activation_offload, settings)
+        timed = [(self.seconds(c), c) for c in self.grid(self.recipe.activation_offload)
                  if floors[(c.strategy, c.offload)] <= self.usable]
         faster = [(t, c) for t, c in timed if t < bound]
         return min(faster)[1] if faster else None
@@ -514,8 +525,13 @@ def merge_variants(base: PlanResult, variants: Sequence[PlanResult]) -> PlanResu
 
 
 def _rank(shape: RecipeShape, memory_bytes: int, usable: int, margin: float, device: DeviceSpec,
-          preds: dict[Candidate, Prediction], recipe: Candidate, recipe_pred: Prediction, traces: int, floor: int) -> PlanResult:
-    """Rank ``preds`` against ``recipe``: the Pareto front of fitting plans with each lever's saving and cost."""
+          preds: dict[Candidate, Prediction], recipe: Candidate, recipe_pred: Prediction, traces: int, floor: int,
+          reference: Callable[[Candidate], Prediction | None] | None = None) -> PlanResult:
+    """Rank ``preds`` against ``recipe``: the Pareto front of fitting plans with each lever's saving and cost.
+
+    ``reference`` predicts, without tracing, a plan without one of its levers that the search never predicted (the
+    search prunes what cannot be fastest), so the lever can still be priced; it is not ranked.
+    """
 
     def order(p: Prediction) -> tuple:
         # Fewer changes to the maths first (a plan.allow lever only where the exact ones do not fit, and one where
@@ -533,8 +549,10 @@ def _rank(shape: RecipeShape, memory_bytes: int, usable: int, margin: float, dev
             plans.append(p)
     for p in plans:
         for lever in changed_levers(p.candidate, recipe):
-            ref = preds.get(_revert(p.candidate, lever, recipe))
-            # None: the plan without this lever was not predicted (a maths lever searched only with another one)
+            without = _revert(p.candidate, lever, recipe)
+            ref = preds.get(without) or (reference(without) if reference is not None else None)
+            # None: the plan without this lever was not predicted and would take a trace (or a maths lever searched
+            # only with another one)
             p.levers[lever] = None if ref is None else (ref.peak_bytes - p.peak_bytes, p.seconds / ref.seconds - 1.0)
     # the closest plan: the fastest of those within 1% of the smallest peak (peaks an optimizer step dominates tie)
     least = min(p.peak_bytes for p in ranked)
