@@ -26,9 +26,10 @@ from lit_memopt.memory.fake import fake_mode
 from lit_memopt.memory.worst_case import UnknownValueError
 from lit_memopt.memory.offload import OFFLOAD_METER
 from lit_memopt.memory.replay import SharedRegions, sharing_regions
+from lit_memopt.memory.stitch import PhasedLog
 from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, snapshot_categories, snapshot_total
 
-__all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "format_bytes", "breakdown_from_categories", "measure_on_cuda",
+__all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "reserved_peaks", "format_bytes", "breakdown_from_categories", "measure_on_cuda",
            "within_device"]
 
 GIB = 1024**3
@@ -90,6 +91,8 @@ class PeakEstimate:
             sampled token a non-EOS filler, every response at ``max_new_tokens``); ``None``: not a worst case.
         offloaded_bytes: bytes of saved activations the step moved to host memory and back (activation offload,
             ``memory.offload``; counted on fake tensors, 0 without offload).
+        allocation_log: the step's allocations and frees by phase (``memory.stitch.PhasedLog``), kept only when
+            :func:`estimate_peak` was asked to (block stitching); never in :meth:`as_dict`.
     """
 
     peak_bytes: int
@@ -111,6 +114,7 @@ class PeakEstimate:
     method: str = "full trace"
     worst_case_tokens: int | None = None
     offloaded_bytes: int = 0
+    allocation_log: Any = field(default=None, repr=False, compare=False)
 
     @property
     def peak_gib(self) -> float:
@@ -122,7 +126,8 @@ class PeakEstimate:
         return sorted(leaves, key=lambda m: (m.activation_bytes, m.forward_peak_bytes), reverse=True)[:n]
 
     def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, allocation_log=None))
+        del out["allocation_log"]
         out["top_modules"] = [m.as_dict() for m in self.top_modules()]
         return out
 
@@ -313,6 +318,7 @@ def estimate_peak(
     worst_case_filler: int | None = None,
     shared_regions: SharedRegions | None = None,
     device_bytes: int | None = None,
+    keep_allocation_log: bool = False,
 ) -> PeakEstimate:
     """Peak live tensor bytes of one training step (forward, backward, optimizer step) of ``module`` on ``batch``.
 
@@ -349,6 +355,8 @@ def estimate_peak(
         device_bytes: the device size for ``model_allocator``: the model releases its cached segments when a new
             one would pass it (a real allocator does so before an out-of-memory error; a rollout whose cache grows
             a token at a time otherwise keeps reserving). ``None``: no limit.
+        keep_allocation_log: return the step's allocation log with it (``PeakEstimate.allocation_log``), for
+            ``memory.blocks`` to stitch the log of more blocks from it; needs ``model_allocator``.
 
     Returns:
         A :class:`PeakEstimate`.
@@ -438,7 +446,7 @@ def estimate_peak(
     phase_breakdowns = {k: breakdown_from_categories(v, state_bytes) for k, v in tracker.phase_breakdowns.items() if k != "setup"}
     reserved = least = None
     if tracker.allocation_log is not None:
-        reserved, least = _reserved_peaks(tracker.allocation_log, device_bytes)
+        reserved, least = reserved_peaks(tracker.allocation_log, device_bytes)
     peak = snapshot_total(peak_snapshot)
     return PeakEstimate(
         peak_bytes=peak,
@@ -458,6 +466,8 @@ def estimate_peak(
         least_reserved_bytes=least,
         worst_case_tokens=None if values is None else values.sampled_tokens,
         offloaded_bytes=offloaded,
+        allocation_log=(PhasedLog(tracker.allocation_log, tracker.log_phases)
+                        if keep_allocation_log and tracker.allocation_log is not None else None),
     )
 
 
@@ -483,7 +493,7 @@ def within_device(estimate: PeakEstimate) -> PeakEstimate:
         f"more than the device's {format_bytes(device)}"))
 
 
-def _reserved_peaks(log: list[tuple[int, int, int]], device_bytes: int | None) -> tuple[int, int | None]:
+def reserved_peaks(log: list[tuple[int, int, int]], device_bytes: int | None) -> tuple[int, int | None]:
     """The allocator model's reserved peak for ``log`` on a device of ``device_bytes``, and (given one) the peak of
     one that releases its cache before every new segment, about the least device the step runs on. Where even a
     released cache leaves too little, the first is what the step needs: that least device, or the reservation that

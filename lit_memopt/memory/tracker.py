@@ -87,6 +87,9 @@ class StepTracker(MemTrackerBase):
         # category bytes at each phase's own peak: what block extrapolation and per-rank sharding scale
         self.phase_breakdowns: dict[str, dict[str, int]] = {}
         self.allocation_log: list[tuple[int, int, int]] | None = [] if record_allocations else None
+        # ``(index in allocation_log, phase)`` where the phase of the logged events changes: block stitching
+        # (``memory.stitch``) aligns the logs of two block counts phase by phase and checks each phase's peak.
+        self.log_phases: list[tuple[int, str]] = []
         # Set when memory was added since the last peak update (see __torch_dispatch__).
         self._grew = True
         self._last_phase: str | None = None
@@ -112,6 +115,9 @@ class StepTracker(MemTrackerBase):
     def on_memory_update(self, u_type: Any, winfo: Any, old_mem_consumed: int | None, old_reftype: Any) -> None:
         log = self.allocation_log
         if log is not None:
+            phase = self.current_phase()
+            if not self.log_phases or self.log_phases[-1][1] != phase:
+                self.log_phases.append((len(log), phase))
             if u_type == UpdateType.ADD:
                 log.append((1, id(winfo), winfo.mem_consumed))
             elif u_type == UpdateType.DEL:
@@ -217,6 +223,7 @@ class StepTracker(MemTrackerBase):
         self.phase_peaks, self.phase_breakdowns = phase_peaks, breakdowns
         if log_length is not None:
             del self.allocation_log[log_length:]
+            self.log_phases = [mark for mark in self.log_phases if mark[0] < log_length]
 
     def track_parameters_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool) -> tuple[int, int]:
         # The stock version registers gradient hooks on every parameter, which fails on frozen
