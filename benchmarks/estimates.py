@@ -3,10 +3,11 @@
 Pairs put a memory technique against its baseline at the same scale: GRADE optimized vs legacy,
 SFT with vs without activation checkpointing. Run alone with ``python -m benchmarks.estimates [--quick]``.
 
-Each case also gives the reserved peak two ways: the estimate's (a line through the 1- and 2-block traces' replayed
-allocator figures) and, for the ``--quick`` cases, the whole model's (``trace_all_blocks=true``: every block traced,
-the whole step replayed); they can differ by several GiB (docs/will-it-fit.md). On CUDA the step's
-``torch.cuda.max_memory_reserved`` is recorded beside them, to say which of the two a real allocator follows.
+Each case also gives the reserved peak two ways: the estimate's (the whole step's allocation log stitched from the 1-
+and 2-block traces' and replayed, or where that does not check out a line through their replayed figures; the table
+says which) and, for the ``--quick`` cases, the whole model's (``trace_all_blocks=true``: every block traced, the
+whole step replayed); the line can miss by several GiB (docs/will-it-fit.md). On CUDA the step's
+``torch.cuda.max_memory_reserved`` is recorded beside them, to say how close a real allocator comes.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def estimate_case(label: str, overrides: list[str], whole: bool = True) -> dict[
             entry["whole_error"] = _error_text(exc)
     entry.update(
         reserved_peak_bytes=est.reserved_peak_bytes,
+        # how the estimate's reserved figure was made (memory.blocks): a stitched log replayed, or the line
+        reserved_how=("stitched" if "allocation log stitched" in est.method
+                      else "line" if "extrapolated to" in est.method else "traced"),
         whole_reserved_peak_bytes=None if traced is None else traced.reserved_peak_bytes,
         whole_peak_bytes=None if traced is None else traced.peak_bytes,
         measured_reserved_bytes=measured_reserved,
@@ -151,7 +155,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "MemTracker; optimizer states exist before the step (steady state), foreach optimizer as on CUDA.",
         "",
         "| recipe | batch | predicted peak | params | grads | optimizer | activations | temporaries | peak during | measured "
-        "| reserved: block line | traced whole | measured | s |",
+        "| reserved: estimate | traced whole | measured | s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
 
@@ -167,7 +171,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {e['label']} | {shape} | {gib(e['peak_bytes'])} | {gib(b['parameters'])} | {gib(b['gradients'])} | "
             f"{gib(b['optimizer_state'])} | {gib(b['activations'])} | {gib(b['temporaries'])} | {e['peak_phase']} | "
-            f"{gib(e.get('measured_peak_bytes'))} | {gib(e.get('reserved_peak_bytes'))} | "
+            f"{gib(e.get('measured_peak_bytes'))} | {gib(e.get('reserved_peak_bytes'))}"
+            f"{' (' + e['reserved_how'] + ')' if e.get('reserved_how') else ''} | "
             f"{gib(e.get('whole_reserved_peak_bytes'))} | {gib(e.get('measured_reserved_bytes'))} | {e['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"

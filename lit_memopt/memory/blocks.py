@@ -5,7 +5,9 @@ weights, gradients and optimizer states, the activations it keeps, its KV cache 
 same for each block, so each phase's peak and its breakdown are affine in the number of blocks
 ``N``: ``f(N) = f(1) + (N - 1) * (f(2) - f(1))``. Tracing 1 and 2 blocks therefore gives the numbers
 for 36 exactly, as long as the peak of each phase stays at the same point of the step, which a third
-trace (3 blocks) checks: when it does not agree, the caller falls back to a full trace.
+trace (3 blocks) checks: when it does not agree, the caller falls back to a full trace. The allocator's reserved
+figure is not affine (rounding, and slack that moves between phases), so it is replayed from the whole step's
+allocation log, stitched from the probes' logs (``memory.stitch``) and checked against the exact figures.
 
 The module is built once with the largest block count needed; smaller counts are obtained by
 truncating its ``layers`` lists (and the configs that say how many there are), so a module whose
@@ -234,9 +236,11 @@ def estimate_with_blocks(
     count above is multiplied by it (probes ``period`` and ``2 * period``, checked with ``3 * period``; built with
     that many), and ``num_blocks`` must be a multiple of it.
 
-    With ``device_bytes``, the reserved figure is still the line through the probes (and ``least_reserved_bytes``
-    the least device's line): where it passes the device, :func:`memory.step.within_device` says what the step does
-    there. It is left to the caller, who knows whether the device holds this step or one rank's share of it.
+    The reserved figure (and, with ``device_bytes``, ``least_reserved_bytes``) is the replay of the probes'
+    allocation logs stitched into the ``num_blocks``-block step's (:func:`stitched_reserved`), where that log checks
+    out; else the line through the probes' figures, and ``method`` says which. Where it passes the device,
+    :func:`memory.step.within_device` says what the step does there; that is left to the caller, who knows whether the
+    device holds this step or one rank's share of it.
 
     Raises:
         LinearityError: the 3-block trace disagrees with the line through 1 and 2 blocks (by more
