@@ -337,6 +337,7 @@ _TRACKER_METHODS = {
     "_update_and_maybe_create_winfos": ("self", "t", "reftype"),
     "_update_snap": ("self", "u_type", "winfo", "old_mem_consumed", "old_reftype"),
     "_pre_fw_hook": ("self", "module", "inputs"),
+    "_pre_bw_hook": ("self", "module", "args"),
     "_track_module_params_and_buffers": ("self", "module", "install_grad_hooks"),
     "_update_peak_stats": ("self", "peak_state"),
 }
@@ -360,6 +361,11 @@ def _mem_tracker_hooks() -> None:
             assert self.known_name(module) is not None and self.depth == 1
             super().pre_forward(module, inputs)
 
+        def pre_backward(self, module, grad_outputs):  # type: ignore[no-untyped-def]
+            calls["pre_backward"] = calls.get("pre_backward", 0) + 1
+            assert module is None or self.known_name(module) is not None
+            super().pre_backward(module, grad_outputs)
+
         def track_parameters_and_buffers(self, module, install_grad_hooks):  # type: ignore[no-untyped-def]
             calls["track_parameters_and_buffers"] = calls.get("track_parameters_and_buffers", 0) + 1
             return super().track_parameters_and_buffers(module, install_grad_hooks)
@@ -374,7 +380,8 @@ def _mem_tracker_hooks() -> None:
         tracker.track_external(model)
         with tracker:
             model(torch.randn(2, 4)).sum().backward()
-    assert set(calls) == {"on_memory_update", "pre_forward", "track_parameters_and_buffers", "update_peak_stats"}, calls
+    assert set(calls) == {"on_memory_update", "pre_forward", "pre_backward", "track_parameters_and_buffers",
+                          "update_peak_stats"}, calls
     assert sum(tracker.peak_bytes.values()) > 0
 
 

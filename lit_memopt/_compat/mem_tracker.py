@@ -36,8 +36,9 @@ def wait_tensor_op() -> Any:
 class MemTrackerBase(MemTracker):
     """``MemTracker`` whose private hooks call overridable public methods, and whose private state has public names.
 
-    Subclasses override :meth:`on_memory_update`, :meth:`pre_forward`, :meth:`track_parameters_and_buffers` and
-    :meth:`update_peak_stats` (each defaults to the stock behaviour) and read the properties below.
+    Subclasses override :meth:`on_memory_update`, :meth:`pre_forward`, :meth:`pre_backward`,
+    :meth:`track_parameters_and_buffers` and :meth:`update_peak_stats` (each defaults to the stock behaviour) and read
+    the properties below.
     """
 
     def __init__(self) -> None:
@@ -142,6 +143,14 @@ class MemTrackerBase(MemTracker):
         """Before a module's forward: the stock version records its entry snapshot (and refuses a repeated call)."""
         MemTracker._pre_fw_hook(self, module, inputs)
 
+    def _pre_bw_hook(self, module: nn.Module | None, grad_outputs: Any) -> None:
+        self.pre_backward(module, grad_outputs)
+
+    def pre_backward(self, module: nn.Module | None, grad_outputs: Any) -> None:
+        """Before a module's backward (``module`` may be ``None`` where it is no longer alive): the stock version
+        records its entry snapshot."""
+        MemTracker._pre_bw_hook(self, module, grad_outputs)
+
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         return self.track_parameters_and_buffers(module, install_grad_hooks)
 
@@ -180,6 +189,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "MemTracker._update_and_maybe_create_winfos": "MemTrackerBase.track_storages_of",
     "MemTracker._update_snap": "MemTrackerBase.on_memory_update",
     "MemTracker._pre_fw_hook": "MemTrackerBase.pre_forward",
+    "MemTracker._pre_bw_hook": "MemTrackerBase.pre_backward",
     "MemTracker._track_module_params_and_buffers": "MemTrackerBase.track_parameters_and_buffers",
     "MemTracker._update_peak_stats": "MemTrackerBase.update_peak_stats",
 }

@@ -90,6 +90,7 @@ class StepTracker(MemTrackerBase):
         # ``(index in allocation_log, phase)`` where the phase of the logged events changes: block stitching
         # (``memory.stitch``) aligns the logs of two block counts phase by phase and checks each phase's peak.
         self.log_phases: list[tuple[int, str]] = []
+        self._outermost: set[torch.nn.Module] = set()  # modules called outermost: their calls start log segments
         # Set when memory was added since the last peak update (see __torch_dispatch__).
         self._grew = True
         self._last_phase: str | None = None
@@ -133,6 +134,13 @@ class StepTracker(MemTrackerBase):
 
     # ------------------------------------------------------------------ repeated calls, generators, frozen weights
     def pre_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        if self.allocation_log is not None and not self.in_backward and len(self.running_module_names) <= 2:
+            # An outermost call (only the global scope and this module are running) starts a segment of the log:
+            # a generation loop calls its model once per token, and each call adds one more block's events when a
+            # block is added, so block stitching (``memory.stitch``) aligns the logs call by call. So does the
+            # backward of each such call (GRADE differentiates through its decoding steps).
+            self._outermost.add(module)
+            self._mark_segment()
         if module in self.memory_tracking and not self.in_backward:
             # A repeated call: a generation loop runs the same decoder once per token. The stock
             # tracker refuses a top-level module called twice; record each call like a reused submodule.
@@ -149,6 +157,21 @@ class StepTracker(MemTrackerBase):
             super().pre_forward(module, inputs)
             stats = self.memory_tracking[module]
         self._stats_by_name[stats.mod_fqn] = stats
+
+    def pre_backward(self, module: torch.nn.Module | None, grad_outputs: Any) -> None:
+        if module is not None and module in self._outermost:
+            self._mark_segment()
+        super().pre_backward(module, grad_outputs)
+
+    def _mark_segment(self) -> None:
+        """Start a segment of the allocation log here, in the current phase (see :meth:`pre_forward`)."""
+        log, phase = self.allocation_log, self.current_phase()
+        if log is None:
+            return
+        if self.log_phases and self.log_phases[-1][0] == len(log):
+            self.log_phases[-1] = (len(log), phase)  # nothing logged since the last mark
+        else:
+            self.log_phases.append((len(log), phase))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is _DEVICE_QUERY:
