@@ -9,6 +9,7 @@ every allocation and free so that ``memory.allocator`` can replay them through a
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, asdict
 from typing import Any
 
@@ -90,7 +91,8 @@ class StepTracker(MemTrackerBase):
         # ``(index in allocation_log, phase)`` where the phase of the logged events changes: block stitching
         # (``memory.stitch``) aligns the logs of two block counts phase by phase and checks each phase's peak.
         self.log_phases: list[tuple[int, str]] = []
-        self._outermost: set[torch.nn.Module] = set()  # modules called outermost: their calls start log segments
+        # modules called outermost, whose calls start log segments (weakly: a module the step drops must die as it would)
+        self._outermost: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         # Set when memory was added since the last peak update (see __torch_dispatch__).
         self._grew = True
         self._last_phase: str | None = None
