@@ -8,8 +8,9 @@ blocks) to the optimizer step (many) the line through the probes' reserved figur
 
 So the n-block log itself is made and replayed. The 2-block log is the 1-block log with the second block's events
 inserted (its forward, its backward, its parameters' share of every per-parameter optimizer op); aligning the two
-logs' allocations phase by phase finds those runs, and repeating each run in place gives the log of any block count.
-A size that grows with the block count (a list of per-parameter norms) grows on its line. Frees follow their
+logs' allocations segment by segment finds those runs, and repeating each run in place gives the log of any block
+count. A segment is a phase, cut again where each outermost model call and its backward start (the tracker marks
+them): a rollout calls its model once per token, and each call gains one block's run. A size that grows with the block count (a list of per-parameter norms) grows on its line. Frees follow their
 allocations. The alignment is a heuristic (sizes repeat), so the caller checks the stitched log before trusting it:
 each phase's allocated peak must be the one block extrapolation computed, at the check trace's block count and at
 the target's (``memory.blocks``).
@@ -25,8 +26,9 @@ from typing import Any
 
 __all__ = ["PhasedLog", "BlockStitch", "stitch_log", "phase_peaks", "MAX_ALIGNED_EVENTS"]
 
-# The most allocations of one phase that a general alignment (``difflib``) is run on (quadratic in the worst case):
-# GRPO at 1.7B aligns 2,744 in its forward (0.2 s); GRADE at 4B 6,685 (3.9 s), then refused by the checks.
+# The most allocations of one segment that a general alignment (``difflib``) is run on (quadratic in the worst case):
+# GRPO at 1.7B aligns 2,166 in its rollout; GRADE at 4B, before its log was cut at each model call, 6,685 in one
+# phase (3.9 s), then refused by the checks.
 MAX_ALIGNED_EVENTS = 4_000
 
 Event = tuple[int, Any, int]  # (+1 allocation / -1 free, key, bytes)
@@ -38,14 +40,15 @@ class PhasedLog:
 
     Attributes:
         events: ``(+1, key, bytes)`` allocations and ``(-1, key, bytes)`` frees in program order.
-        phases: ``(index of the first event, phase)`` where the phase changes, in order.
+        phases: ``(index of the first event, phase)`` where a segment starts (the phase changes, or an outermost
+            model call or its backward starts), in order.
     """
 
     events: list[Event]
     phases: list[tuple[int, str]]
 
     def segments(self) -> list[tuple[str, int, int]]:
-        """``(phase, start, end)`` of each run of one phase's events."""
+        """``(phase, start, end)`` of each segment."""
         marks = self.phases or [(0, "setup")]
         ends = [start for start, _ in marks[1:]] + [len(self.events)]
         return [(phase, start, end) for (start, phase), end in zip(marks, ends)]
@@ -70,10 +73,9 @@ class BlockStitch:
     """The events ``high`` adds over ``low`` (the step with one block, or group of blocks, fewer), found once;
     :meth:`log` repeats them any number of times.
 
-    ``aligned`` is ``False`` where the two logs do not differ by insertions alone (other phases, allocations of
-    ``low`` missing from ``high``), or where a phase needs a general alignment of more than
-    :data:`MAX_ALIGNED_EVENTS` allocations (a rollout's decoding steps each add a block's cache: seconds of
-    ``difflib`` for a stitch the checks then refuse, measured on GRADE at 4B); :meth:`log` is then ``None``.
+    ``aligned`` is ``False`` where the two logs do not differ by insertions alone (other segments, allocations of
+    ``low`` missing from ``high``), or where a segment needs a general alignment of more than
+    :data:`MAX_ALIGNED_EVENTS` allocations; :meth:`log` is then ``None``.
     """
 
     def __init__(self, low: PhasedLog, high: PhasedLog) -> None:
@@ -152,8 +154,8 @@ class _FreeOrder:
     """Where a run inserted into a segment may go at several points (the allocations around it repeat: a block's last
     sizes are those the next one starts with), each point pairs the allocations kept from ``low`` with other ones of
     ``high``. The right pairing keeps each allocation's free where ``low`` has it; :meth:`mismatches` counts the kept
-    allocations that a point would free elsewhere (measured on GRPO at 1.7B: the last point freed a block's outputs
-    one block late, 3.25 MiB high per block in forward)."""
+    allocations that a point would free elsewhere (measured on GRPO at 1.7B: the last point put the stitched forward
+    peak 3.25 MiB per block below the exact one, where the point that keeps the frees in order gives it exactly)."""
 
     def __init__(self, a: list[tuple[int, int | None, int]], ia: list[int], a_end: int,
                  b: list[tuple[int, int | None, int]], ib: list[int], b_end: int) -> None:

@@ -88,8 +88,9 @@ class StepTracker(MemTrackerBase):
         # category bytes at each phase's own peak: what block extrapolation and per-rank sharding scale
         self.phase_breakdowns: dict[str, dict[str, int]] = {}
         self.allocation_log: list[tuple[int, int, int]] | None = [] if record_allocations else None
-        # ``(index in allocation_log, phase)`` where the phase of the logged events changes: block stitching
-        # (``memory.stitch``) aligns the logs of two block counts phase by phase and checks each phase's peak.
+        # ``(index in allocation_log, phase)`` where the phase of the logged events changes, and where an outermost
+        # model call or its backward starts (a new segment of the same phase): block stitching (``memory.stitch``)
+        # aligns the logs of two block counts segment by segment and checks each phase's peak.
         self.log_phases: list[tuple[int, str]] = []
         # modules called outermost, whose calls start log segments (weakly: a module the step drops must die as it would)
         self._outermost: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
