@@ -264,8 +264,17 @@ class _Scope:
         refusals: list[str] = []
         made = 0  # slots are numbered in the order the region made its storages
 
+        tracker = self.tracker
+        # The allocation log's segment marks (the model called once per token) are replayed too, or block stitching
+        # would align a replayed rollout's log with a traced one's in vain: one made in the region is recorded before
+        # the event it starts (a phase's start is not: the tracker marks it wherever the phase changes).
+        marked = tracker.segment_marks
+
         def listen(u_type: Any, record: Any, old_bytes: Any, old_category: Any) -> None:
-            nonlocal made
+            nonlocal made, marked
+            if tracker.segment_marks != marked:
+                marked = tracker.segment_marks
+                events.append((0, made, 0, None))
             if u_type == UpdateType.ADD:
                 if record.reftype != MemRefType.ACT:
                     refusals.append(f"it made a {record.reftype} tensor")
@@ -320,7 +329,9 @@ class _Scope:
         out_slot, dtype = recording.out_slot, recording.dtype
         out = None
         for sign, slot, nbytes, device in recording.events:  # (a stretched loop's are made as they are read)
-            if sign < 0:
+            if sign == 0:
+                tracker.mark_segment()
+            elif sign < 0:
                 record = held.pop(slot)
                 if record is not None:
                     tracker.replay_update(UpdateType.DEL, record)

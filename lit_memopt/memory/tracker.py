@@ -92,6 +92,7 @@ class StepTracker(MemTrackerBase):
         # model call or its backward starts (a new segment of the same phase): block stitching (``memory.stitch``)
         # aligns the logs of two block counts segment by segment and checks each phase's peak.
         self.log_phases: list[tuple[int, str]] = []
+        self.segment_marks = 0  # how many times :meth:`mark_segment` marked one (``memory.replay`` records them)
         # modules called outermost, whose calls start log segments (weakly: a module the step drops must die as it would)
         self._outermost: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         # Set when memory was added since the last peak update (see __torch_dispatch__).
@@ -143,7 +144,7 @@ class StepTracker(MemTrackerBase):
             # block is added, so block stitching (``memory.stitch``) aligns the logs call by call. So does the
             # backward of each such call (GRADE differentiates through its decoding steps).
             self._outermost.add(module)
-            self._mark_segment()
+            self.mark_segment()
         if module in self.memory_tracking and not self.in_backward:
             # A repeated call: a generation loop runs the same decoder once per token. The stock
             # tracker refuses a top-level module called twice; record each call like a reused submodule.
@@ -163,14 +164,16 @@ class StepTracker(MemTrackerBase):
 
     def pre_backward(self, module: torch.nn.Module | None, grad_outputs: Any) -> None:
         if module is not None and module in self._outermost:
-            self._mark_segment()
+            self.mark_segment()
         super().pre_backward(module, grad_outputs)
 
-    def _mark_segment(self) -> None:
-        """Start a segment of the allocation log here, in the current phase (see :meth:`pre_forward`)."""
+    def mark_segment(self) -> None:
+        """Start a segment of the allocation log here, in the current phase (see :meth:`pre_forward`; ``memory.replay``
+        replays the marks a recorded region made)."""
         log, phase = self.allocation_log, self.current_phase()
         if log is None:
             return
+        self.segment_marks += 1
         if self.log_phases and self.log_phases[-1][0] == len(log):
             self.log_phases[-1] = (len(log), phase)  # nothing logged since the last mark
         else:
@@ -236,12 +239,13 @@ class StepTracker(MemTrackerBase):
         Per-module rows are not saved (they are not exact under replay either)."""
         return ({d: dict(s) for d, s in self.peak_snapshot.items()}, dict(self.peak_bytes), self.peak_phase,
                 dict(self.phase_peaks), {k: dict(v) for k, v in self.phase_breakdowns.items()},
-                None if self.allocation_log is None else len(self.allocation_log), self._grew, self._last_phase)
+                None if self.allocation_log is None else len(self.allocation_log), self._grew, self._last_phase,
+                list(self.log_phases))
 
     def restore_counts(self, saved: tuple) -> None:
         """Put back what :meth:`save_counts` saved. Every storage made since must have been freed (its frees leave the
         live bytes as they were; its entries in the allocation log are dropped)."""
-        snapshot, peaks, self.peak_phase, phase_peaks, breakdowns, log_length, self._grew, self._last_phase = saved
+        snapshot, peaks, self.peak_phase, phase_peaks, breakdowns, log_length, self._grew, self._last_phase, marks = saved
         self.peak_snapshot.clear()
         self.peak_snapshot.update(snapshot)
         self.peak_bytes.clear()
@@ -249,7 +253,7 @@ class StepTracker(MemTrackerBase):
         self.phase_peaks, self.phase_breakdowns = phase_peaks, breakdowns
         if log_length is not None:
             del self.allocation_log[log_length:]
-            self.log_phases = [mark for mark in self.log_phases if mark[0] < log_length]
+            self.log_phases = list(marks)  # (a mark made since at the same place, where a probe started, is not kept)
 
     def track_parameters_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool) -> tuple[int, int]:
         # The stock version registers gradient hooks on every parameter, which fails on frozen
