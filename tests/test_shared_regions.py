@@ -154,19 +154,26 @@ def test_a_plans_traces_of_a_generation_recipe_give_the_same_numbers_shared() ->
                               "plan.device=cpu", "safety_margin=0"])
     settings = [(False, False), (False, True), (True, False)]  # (checkpointing, accumulating)
 
+    methods: list[str] = []
+
     def traced(share: bool) -> tuple[list[tuple], SharedRegions]:
         tracer = PlanTracer(cfg, cpu_target=True)
         if not share:
             tracer.shared_regions = SharedRegions(share=False, stretch=False)
         try:
             shape = tracer.recipe_shape(4)
-            return [_numbers(tracer(ckpt, shape.rows, acc)) for ckpt, acc in settings], tracer.shared_regions
+            estimates = [tracer(ckpt, shape.rows, acc) for ckpt, acc in settings]
+            methods.extend(est.method for est in estimates)
+            return [_numbers(est) for est in estimates], tracer.shared_regions
         finally:
             tracer.close()
 
     plain, _ = traced(False)
     shared, regions = traced(True)
     assert shared == plain
+    # the reserved figures come from stitched logs, shared or not: a replayed rollout keeps the log segments its
+    # model calls start (else its probes' logs do not align with a traced one's and the line is used)
+    assert all("allocation log stitched from the probes'" in m for m in methods), methods
     # one rollout per block count traced in this process (a trace run in a forked copy records there, not here):
     # the first setting's recorded, the second's replayed, the checkpointed one another key (recorded)
     counts = (regions.recorded, regions.replayed, regions.refused)

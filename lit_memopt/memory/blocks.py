@@ -41,9 +41,9 @@ SHIFTED_CHECK_BLOCKS = 4
 # for a stack of identical blocks; the tolerance only absorbs a block count that changes a chunk size.
 LINEARITY_TOLERANCE = 0.001
 # A stitched allocation log (``memory.stitch``) replaces the line's reserved figure only where its replay at the
-# check trace's block count is within this share of that trace's own reserved figure (measured at 3 blocks: Qwen3-4B
-# SFT 0, Qwen3-1.7B GRPO 0, Qwen2.5-1.5B Intuitor 0.66%) and every phase's allocated peak is the exact one, there and
-# at the target's block count.
+# check trace's block count is within this share of that trace's own reserved figure (measured at 3 blocks: 0 for
+# Qwen3-4B SFT and GRADE, Qwen3 GRPO and Qwen2.5-1.5B Intuitor), every phase's allocated peak is the traced one there,
+# and at the target's block count none is below its line and the step's peak is the line's (``_phases_bounded``).
 STITCH_TOLERANCE = 0.01
 
 
@@ -185,9 +185,9 @@ def stitched_reserved(traces: dict[int, PeakEstimate], probes: Sequence[int], ch
     allocation logs stitched into that step's log (``memory.stitch``) and replayed; or, where that is not trusted,
     why (a phrase).
 
-    Trusted where the stitched log's allocated peak of every phase is ``line``'s (exact, from block extrapolation)
-    and, with a check trace (``checked_at``), the log stitched to its block count has that trace's phase peaks and a
-    reserved figure within :data:`STITCH_TOLERANCE` of it.
+    Trusted where the stitched log's allocated peaks agree with ``line``'s (block extrapolation: see
+    :func:`_phases_bounded`) and, with a check trace (``checked_at``), the log stitched to its block count has that
+    trace's phase peaks and a reserved figure within :data:`STITCH_TOLERANCE` of it.
     """
     low, high = (traces[k].allocation_log for k in probes)
     if low is None or high is None:
