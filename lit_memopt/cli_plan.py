@@ -63,11 +63,11 @@ CHECKPOINT_KEYS = ("gradient_checkpointing", "checkpoint_steps")
 # The switches that also take k >= 2, every k-th decoder block (transformers' every_n_layers), and the k searched.
 PERIODIC_CHECKPOINT_KEYS = ("gradient_checkpointing",)
 CHECKPOINT_PERIODS = (2,)
-# Activation offload: the callback the plan adds (offload only; checkpointing stays the module switch's lever).
 # A plan whose reserved peak is within this share of the usable bytes, with a least device below it, gets a note: the
 # allocator model replayed on the device fills it before it releases its cache (tiny Intuitor, 128-token rollouts, on
 # 656 MiB: 590.00 of 590.40 MiB usable reserved, 574 MiB the least device).
 NEAR_FULL = 0.02
+# Activation offload: the callback the plan adds (offload only; checkpointing stays the module switch's lever).
 ACTIVATION_OFFLOAD_KEY = "callbacks.activation_offload"
 ACTIVATION_OFFLOAD = {"_target_": "lit_memopt.callbacks.ActivationCheckpointing", "recompute": False, "offload_to_cpu": True}
 # Command-line keys that configure the plan itself, not the run it plans.

@@ -175,7 +175,7 @@ def _phases_bounded(log_peaks: dict[str, int], line: dict[str, int]) -> bool:
     tol = LINEARITY_TOLERANCE
     if any(log_peaks.get(phase, -1) < value - tol * max(value, 1) for phase, value in line.items()):
         return False
-    top, step = max(log_peaks.get(phase, 0) for phase in line), max(line.values(), default=0)
+    top, step = max((log_peaks.get(phase, 0) for phase in line), default=0), max(line.values(), default=0)
     return abs(top - step) <= tol * max(step, 1)
 
 

@@ -174,8 +174,8 @@ class _Run:
     earlier run's, ``high`` frees once: the block next to the run frees what the run handed on (the hidden state
     in forward, its gradient in backward), or the saved activations of its own forward. With more copies, each
     copy but the first frees the instance the copy before it stands for, as many allocations into the copy as
-    the block next to the run is when it frees it (``handoffs``: offset -> allocations), and the events around
-    the run free only the last copy's (``freed_once``). The kept frees inside the run are the first copy's.
+    the block next to the run is when it frees it (``handoffs``), and the events around the run free only the
+    last copy's (``freed_once``). The kept frees inside the run are the first copy's.
     """
 
     first: int
@@ -240,10 +240,10 @@ class _Run:
                 earlier.append((at - (j2 if j >= end else j1 - extra), nbytes, uid))
         # An earlier run's allocation freed beside this run stands for one the run frees itself where the run frees a
         # kept one of its size (a block's saved activations, where backward's run is not the block forward's run
-        # was); else every copy's is freed where high frees it (gradients at the optimizer's zero_grad).
-        # closest first over all pairs of a size (greedily in the run's order, a kept free that repeats nowhere, as the
-        # final norm's input freed where backward starts, took a block's partner: Qwen3-4B SFT's 3-block log then freed
-        # a saved activation a block early)
+        # was); else every copy's is freed where high frees it (gradients at the optimizer's zero_grad). Pairs are
+        # taken closest first over all of a size: taken in the run's order, a kept free that repeats nowhere (the
+        # final norm's input, freed where backward starts) took a block's partner, and Qwen3-4B SFT's 3-block log
+        # freed a saved activation a block early.
         pairs = sorted((abs(o - offset[0]), y, k) for y, (offset, nbytes) in enumerate(kept_inside)
                        for k, (o, n, _) in enumerate(earlier) if n == nbytes)
         matched: set[int] = set()

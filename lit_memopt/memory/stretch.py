@@ -36,7 +36,8 @@ __all__ = ["PROBE_STEPS", "Recording", "Template", "template_from_probes"]
 # on the line (to check it), the last step; the third probe checks what the first two predict.
 PROBE_STEPS = (6, 7, 8)
 
-Event = tuple[int, int, int, Any]  # (+1, slot, bytes, device) an allocation, (-1, slot, 0, None) a free, (0, ...) a log segment mark
+# (+1, slot, bytes, device) an allocation, (-1, slot, 0, None) a free, (0, slot, 0, None) where a log segment starts
+Event = tuple[int, int, int, Any]
 
 
 @dataclass(frozen=True)
