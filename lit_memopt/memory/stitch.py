@@ -175,7 +175,9 @@ class _Run:
     in forward, its gradient in backward), or the saved activations of its own forward. With more copies, each
     copy but the first frees the instance the copy before it stands for, as many allocations into the copy as
     the block next to the run is when it frees it (``handoffs``), and the events around the run free only the
-    last copy's (``freed_once``). The kept frees inside the run are the first copy's.
+    last copy's (``freed_once``). The kept frees inside the run are the first copy's. The optimizer step's runs
+    (``blocks=False``: one parameter's share of a per-parameter op, handing nothing on) keep their frees where
+    ``high`` has them, every copy's.
     """
 
     first: int
@@ -236,7 +238,7 @@ class _Run:
                 # temporaries after its loop, every copy's is freed there)
                 handoffs.setdefault(position(j, at, j2), []).append((uid, nbytes))
                 freed_once.add(uid)
-            elif born[uid] < seg_start and inserted[born[uid]]:
+            elif blocks and born[uid] < seg_start and inserted[born[uid]]:
                 earlier.append((at - (j2 if j >= end else j1 - extra), nbytes, uid))
         # An earlier run's allocation freed beside this run stands for one the run frees itself where the run frees a
         # kept one of its size (a block's saved activations, where backward's run is not the block forward's run
