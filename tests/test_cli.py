@@ -116,3 +116,25 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "world_size: 2" in (result.stdout + result.stderr) or "GLOBAL_RANK: 1" in (result.stdout + result.stderr)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_multi_process_run_ends_its_process_group(tmp_path: Path) -> None:
+    """After the last collective (a barrier first), the run's process group is destroyed rather than left to the
+    interpreter's exit, where gloo's threads made a rank abort (``tests/test_multinode.py``, 2 runs in 7)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from lit_memopt.cli import _close_process_group
+
+    barriers: list[str] = []
+    trainer = SimpleNamespace(strategy=SimpleNamespace(barrier=barriers.append))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        _close_process_group(trainer)
+        assert barriers == ["lit-memopt.end"] and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _close_process_group(trainer)  # a one-process run has no group: nothing to wait for
+    assert barriers == ["lit-memopt.end"]
