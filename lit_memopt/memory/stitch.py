@@ -157,8 +157,7 @@ class BlockStitch:
                     k += 1
                 for copy in range(copies):
                     events.extend((sign, (uid, copy), nbytes) for sign, uid, nbytes in b[j:k]
-                                  if sign > 0 or uid not in self.freed_once
-                                  or copy == (0 if uid in self.freed_first else copies - 1))
+                                  if sign > 0 or _frees_here(uid, copy, copies, self.freed_once, self.freed_first))
                 j = k
         return PhasedLog(events, phases)
 
@@ -224,15 +223,16 @@ class _Run:
             at = bisect.bisect_left(tokens, j)
             if first <= j < end:
                 if uid not in ours and not inserted[born[uid]]:
-                    kept_inside.append((position(j, at, j1), nbytes))
+                    here = position(j, at, j1)
                     # handed on by the kept block before the run, at the position of one of the run's own: each
                     # later copy frees the previous copy's (where the run ends the segment, none follows it)
                     t = bisect.bisect_left(tokens, born[uid]) + extra
                     new = b[tokens[t]] if blocks and born[uid] >= seg_start and j1 <= t < j2 else None
                     if new is not None and new[0] > 0 and new[2] == nbytes and new[1] not in freed_once:
-                        handoffs.setdefault(position(j, at, j1), []).append((new[1], nbytes))
+                        handoffs.setdefault(here, []).append((new[1], nbytes))
                         freed_once.add(new[1])
-                        kept_inside.pop()
+                    else:
+                        kept_inside.append((here, nbytes))
             elif blocks and uid in ours and j >= end and at - j2 <= extra and uid not in freed_once:
                 # handed on: the block after the run frees it (what is freed later, as the optimizer's per-parameter
                 # temporaries after its loop, every copy's is freed there)
@@ -269,7 +269,7 @@ class _Run:
                     out.extend(self._handed(pending.pop(0), copy, copies))
                 sign, uid, nbytes = b[j]
                 if inserted[j]:  # the run's allocations, and frees of its or an earlier run's: each copy its own
-                    if sign > 0 or copy == copies - 1 or uid not in self.freed_once:
+                    if sign > 0 or _frees_here(uid, copy, copies, self.freed_once, self.freed_first):
                         out.append((sign, (uid, copy), nbytes))
                 elif copy == 0:
                     out.append((sign, (uid, 0), nbytes))  # what the kept events before the run handed on
@@ -281,6 +281,16 @@ class _Run:
     def _handed(self, key: tuple[int, int], copy: int, copies: int) -> list[Event]:
         """The frees copy ``copy`` makes at ``key`` of what another copy stands for."""
         return [(-1, (x, copies - copy if x in self.freed_first else copy - 1), n) for x, n in self.handoffs[key]]
+
+
+def _frees_here(uid: int | None, copy: int, copies: int, freed_once: frozenset[int] | set[int],
+                freed_first: frozenset[int] | set[int]) -> bool:
+    """Whether copy ``copy`` of a free of ``uid`` is made where ``high`` makes it: every copy's, but for what a run's
+    copies free themselves (``freed_once``), where only the one copy left is, the last (the first of ``freed_first``,
+    freed last-made first)."""
+    if uid not in freed_once:
+        return True
+    return copy == (0 if uid in freed_first else copies - 1)
 
 
 def stitch_log(low: PhasedLog, high: PhasedLog, copies: int) -> PhasedLog | None:
