@@ -3,14 +3,13 @@
 The recipe is built as ``lit-memopt fit`` builds it (:func:`lit_memopt.cli.instantiate_run`), except that the
 language models get fake weights. A decoder with more than 3 blocks is traced with 1, 2 and 3 blocks and
 extrapolated (``memory.blocks``); generation recipes are estimated at their worst case (``memory.worst_case``);
-``trainer=ddp``/``trainer=fsdp2`` turn the single-device numbers into per-rank ones (``memory.sharding``).
+``trainer=ddp``/``trainer=fsdp2`` turn the single-device numbers into per-rank ones (``memory.sharding``), or with
+``trace_rank=true`` (FSDP2) one rank is traced under a fake process group (``memory.fake_ranks``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,16 @@ from typing import Any
 
 import torch
 
+from lit_memopt.cli_fake_run import (  # noqa: F401 - re-exported: the estimator's building blocks, used by plan
+    activation_checkpointing_callbacks,
+    block_count,
+    build_fake_run,
+    build_measured_module,
+    checkpoint_period_of,
+    step_config,
+    with_blocks,
+    with_fake_weights,
+)
 from lit_memopt.memory.batch import resize_batch
 from lit_memopt.memory.blocks import (
     CHECK_BLOCKS,
@@ -25,8 +34,7 @@ from lit_memopt.memory.blocks import (
     LinearityError,
     estimate_with_blocks,
 )
-from lit_memopt.memory.fake import adopt_fakes
-from lit_memopt.memory.offload import modelled_host_offload
+from lit_memopt.memory.fake_ranks import estimate_rank
 from lit_memopt.memory.search import (
     DEFAULT_SAFETY_MARGIN,
     BatchFit,
@@ -37,7 +45,6 @@ from lit_memopt.memory.search import (
 from lit_memopt.memory.sharding import COMMUNICATION_ROW, per_rank_estimate
 from lit_memopt.memory.step import (
     BREAKDOWN_LABELS,
-    EstimateError,
     PeakEstimate,
     ValueDependentStepError,
     estimate_peak,
@@ -46,7 +53,6 @@ from lit_memopt.memory.step import (
     within_device,
 )
 from lit_memopt.memory.worst_case import filler_token_id
-from lit_memopt.models.hf import checkpoint_period
 from lit_memopt.models.sharding import replicated_parameter_bytes
 
 __all__ = ["EstimateReport", "estimate_recipe", "render_report", "run_estimate_command"]
@@ -96,152 +102,6 @@ class EstimateReport:
         out = dataclasses.asdict(self)
         out["estimate"] = self.estimate.as_dict()
         return out
-
-
-# ============================================================================ building the recipe with fake weights
-def block_count(model_config: Any) -> int | None:
-    """Decoder blocks the config builds (``None``: not known from the config, e.g. a local checkpoint)."""
-    if getattr(model_config, "pretrained", None) is not None:
-        return None
-    arch = getattr(model_config, "arch", None)
-    if isinstance(arch, dict) and isinstance(arch.get("num_hidden_layers"), int):
-        return int(arch["num_hidden_layers"])
-    value = getattr(model_config, "num_layers", None)
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def with_blocks(model_config: Any, blocks: int) -> Any:
-    """A copy of ``model_config`` that builds ``blocks`` decoder blocks."""
-    arch = getattr(model_config, "arch", None)
-    if isinstance(arch, dict) and "num_hidden_layers" in arch:
-        out = copy.copy(model_config)
-        object.__setattr__(out, "arch", {**arch, "num_hidden_layers": blocks})
-        return out
-    return dataclasses.replace(model_config, num_layers=blocks)
-
-
-def with_fake_weights(model_config: Any) -> Any:
-    """A copy of ``model_config`` whose ``build_model`` makes the language model with fake weights.
-
-    Everything else the module builds (a small reward classifier GRADE trains at start, LoRA adapters)
-    stays real: a step that mixes the two converts the real tensors to fake ones on use.
-    """
-    from lit_memopt._compat.torch import FastFakeTensorMode
-
-    build_model = model_config.build_model
-    mode = FastFakeTensorMode(allow_non_fake_inputs=True)
-
-    def fake_build_model(*args: Any, apply_lora: bool = True, **kwargs: Any) -> Any:
-        lora = getattr(model_config, "lora", None)
-        with mode:
-            if lora:
-                model = build_model(*args, apply_lora=False, **kwargs)
-            else:
-                model = build_model(*args, **kwargs)
-        if lora and apply_lora:
-            # Adapters are small: peft creates them with real tensors next to the fake base weights.
-            model = model_config.apply_lora(model)
-        return model
-
-    out = copy.copy(model_config)
-    object.__setattr__(out, "build_model", fake_build_model)
-    object.__setattr__(out, "fake_mode", mode)  # build_fake_run re-makes fakes of other modes in it (adopt_fakes)
-    return out
-
-
-def checkpoint_period_of(cfg: Any, callbacks: list[Any] | None = None) -> int:
-    """The recipe's checkpointing period: ``k`` where ``module.gradient_checkpointing=k`` or an
-    ``ActivationCheckpointing(every_k_layers=k)`` callback checkpoints every k-th decoder block (k >= 2), else 1
-    (every block, or none: either is the same for each block); both: their least common multiple.
-
-    ``callbacks``: the recipe's ``ActivationCheckpointing`` callbacks when already built (else built here)."""
-    value = (cfg.get("module") or {}).get("gradient_checkpointing")
-    period = checkpoint_period(value, "module.gradient_checkpointing") if value not in (None, False, True) else 1
-    for callback in activation_checkpointing_callbacks(cfg) if callbacks is None else callbacks:
-        if callback.recompute:  # an offload-only callback treats every block alike
-            period = math.lcm(period, callback.every_k_layers)
-    return max(period, 1)
-
-
-def activation_checkpointing_callbacks(cfg: Any) -> list[Any]:
-    """The recipe's ``ActivationCheckpointing`` callbacks (``callbacks.*``), built: they change a step's memory, so
-    the estimator applies them to its module as the run's ``setup`` would."""
-    from hydra.utils import instantiate
-
-    from lit_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
-
-    found = []
-    for value in (cfg.get("callbacks") or {}).values():
-        target = value.get("_target_", "") if hasattr(value, "get") else ""
-        if str(target).rsplit(".", 1)[-1] == ActivationCheckpointing.__name__:
-            found.append(instantiate(value))
-    return found
-
-
-def step_config(cfg: Any) -> Any:
-    """The recipe's config for one training step, estimated or measured: no logger or callbacks (a step
-    trains nothing, and they need a Hydra run directory), and nothing trained before it."""
-    from omegaconf import OmegaConf, open_dict
-
-    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k not in ("logger", "callbacks", "hydra")])
-    with open_dict(cfg):
-        cfg.logger = None
-        cfg.callbacks = None
-        reward = OmegaConf.select(cfg, "module.reward_model")
-        if OmegaConf.is_dict(reward) and "train_steps" in reward:
-            # A reward classifier trained at start (GRADE's rule reward) has the same tensors untrained:
-            # its weights' values do not change the memory of a step, and training it took most of the
-            # estimate's time at a 150k vocabulary.
-            reward.train_steps = 0
-        if OmegaConf.is_dict(OmegaConf.select(cfg, "module.warm_start")):
-            # The supervised warm start happens before training: it changes weight values, not a step's memory.
-            cfg.module.warm_start.steps = 0
-    return cfg
-
-
-def build_fake_run(cfg: Any, blocks: int | None, callbacks: list[Any] | None = None) -> Any:
-    """``instantiate_run(cfg)`` with fake language-model weights and ``blocks`` blocks (``None``: as configured).
-
-    ``callbacks``: the recipe's ``ActivationCheckpointing`` callbacks when already built (else built here)."""
-    from lit_memopt.cli import instantiate_run
-
-    modes = []
-
-    def prepare(model_config: Any) -> Any:
-        if not hasattr(model_config, "build_model"):
-            raise EstimateError(f"estimate: {type(model_config).__name__} has no build_model(); cannot build it with fake weights")
-        prepared = with_fake_weights(model_config if blocks is None else with_blocks(model_config, blocks))
-        modes.append(prepared.fake_mode)
-        return prepared
-
-    run = instantiate_run(step_config(cfg), prepare_model_config=prepare)
-    module = run.module
-    if modes:
-        # One mode for the module's fakes: each model built here has its own (a reference copied from the policy
-        # stays in the policy's, see FastFakeTensorMode.__deepcopy__).
-        adopt_fakes(module, modes[-1])
-    for callback in activation_checkpointing_callbacks(cfg) if callbacks is None else callbacks:
-        # as the callback's setup wraps the layers; its activation offload as device memory sees it (memory.offload)
-        callback.apply(module, offload_hooks=modelled_host_offload)
-    if hasattr(module, "sandbox") and module.sandbox is None and callable(getattr(module, "setup", None)):
-        # A module that executes generated code (CRSP) starts its sandbox in setup; outside "fit", setup
-        # does nothing else, in particular nothing that needs a Trainer.
-        module.setup("validate")
-    if callable(getattr(module, "configure_model", None)):
-        # Where modules build or shard their model (a no-op without a device mesh).
-        module.configure_model()
-    return run
-
-
-def build_measured_module(cfg: Any) -> Any:
-    """The recipe's module with real weights, as ``fit`` runs it: its ``ActivationCheckpointing`` callbacks applied
-    as their ``setup`` would (offload included), so that a CUDA measurement runs the step the estimate traced."""
-    from lit_memopt.cli import instantiate_run
-
-    module = instantiate_run(step_config(cfg)).module
-    for callback in activation_checkpointing_callbacks(cfg):
-        callback.apply(module)
-    return module
 
 
 # ============================================================================ estimating
@@ -303,6 +163,13 @@ def _options(cfg: Any) -> dict[str, Any]:
     if whole is not None and not isinstance(whole, bool):
         raise ValueError(f"trace_all_blocks must be true or false, got {whole!r}")
     per_rank = data_parallel_plan(cfg)
+    rank = cfg.get("trace_rank")
+    if rank is not None and not isinstance(rank, bool):
+        raise ValueError(f"trace_rank must be true or false, got {rank!r}")
+    cpu_offload = strategy_cpu_offload(cfg, per_rank)
+    if rank and (per_rank is None or per_rank[0] != "fsdp2" or cpu_offload):
+        raise ValueError("trace_rank=true traces one FSDP2 rank with its state on the device: use it with trainer=fsdp2 "
+                         "trainer.devices=N (and without trainer.strategy.cpu_offload)")
     return {
         "batch_size": _positive_int_or_none(cfg, "batch_size"),
         "seq_len": _positive_int_or_none(cfg, "seq_len"),
@@ -311,7 +178,8 @@ def _options(cfg: Any) -> dict[str, Any]:
         "check": True if check is None else check,
         "trace_all_blocks": bool(whole),
         "per_rank": per_rank,
-        "cpu_offload": strategy_cpu_offload(cfg, per_rank),
+        "cpu_offload": cpu_offload,
+        "trace_rank": bool(rank),
     }
 
 
@@ -323,11 +191,14 @@ class _Estimator:
     """One recipe's module (built once) and a cache of its estimates by batch size."""
 
     def __init__(self, cfg: Any, check: bool, per_rank: tuple[str, int] | None = None, cpu_offload: bool = False,
-                 trace_all_blocks: bool = False) -> None:
+                 trace_all_blocks: bool = False, trace_rank: bool = False) -> None:
         self.cfg = cfg
         self.check = check
         self.per_rank = per_rank
         self.cpu_offload = cpu_offload
+        # trace_rank (FSDP2 with the state on the device): each estimate traces rank 0 under a fake process group
+        # (memory.fake_ranks), FSDP2's own allocations and the rank's allocator; else memory.sharding's arithmetic.
+        self.rank_world = per_rank[1] if trace_rank and per_rank is not None and per_rank[0] == "fsdp2" else None
         # One micro-batch of several (trainer.accumulate_grad_batches > 1): gradients are live from the start.
         self.accumulating = _accumulates(cfg)
         self.optimizer_foreach = True  # the peak reported is a CUDA device's: foreach is its default
@@ -392,7 +263,7 @@ class _Estimator:
     def estimate(self, batch: Any, rows: int | None, *, check: bool | None = None) -> PeakEstimate:
         """The step on one device or (``per_rank``) one rank, judged on the device where it has a size."""
         est = self.trace(batch, rows, check=check)
-        if self.per_rank is None:
+        if self.per_rank is None or self.rank_world is not None:
             return within_device(est)
         strategy, world = self.per_rank
         # Frozen models the method keeps whole on every rank (GRADE's reference and reward model) are not sharded.
@@ -406,7 +277,9 @@ class _Estimator:
                                   "accumulating": self.accumulating, "shared_regions": self.shared_regions,
                                   "device_bytes": self.device_bytes}
         est = None
-        if self.blocks is not None:
+        if self.rank_world is not None:
+            est = self._rank_estimate(batch, check, kwargs)
+        if est is None and self.blocks is not None:
             try:
                 # The check trace runs in a forked copy alongside the probes where that is safe; not with a
                 # sandbox, whose worker pipes the two processes would share.
@@ -425,6 +298,40 @@ class _Estimator:
         return est
 
 
+    def _rank_estimate(self, batch: Any, check: bool | None, kwargs: dict[str, Any]) -> PeakEstimate | None:
+        """One rank's step traced under a fake process group, or ``None`` (with a note, for good) where that fails."""
+        built: list[Any] = []
+
+        def build(blocks: int | None, mesh: Any) -> Any:
+            run = build_fake_run(self.cfg, blocks, self.checkpointing_callbacks, mesh=mesh)
+            built.append(run.module)
+            return run.module
+
+        blocks = None if self.blocks is None else self.total_blocks
+        try:
+            try:
+                return estimate_rank(build, batch, self.rank_world, num_blocks=blocks, period=self.period,
+                                     check=self.check if check is None else check,
+                                     parallel=getattr(self.run.module, "sandbox", None) is None, **kwargs)
+            except LinearityError as exc:
+                self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
+                self.blocks = None
+                return estimate_rank(build, batch, self.rank_world, **kwargs)
+        except ValueDependentStepError:
+            raise  # trace() retries at the worst case
+        except Exception as exc:  # noqa: BLE001 - any failure of the sharded trace falls back to the arithmetic
+            self.notes.append(f"one rank could not be traced under a fake process group ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); per-rank figures are "
+                              "memory.sharding's arithmetic on the one-device step")
+            self.rank_world = None
+            self.cache.clear()
+            return None
+        finally:
+            for module in built:  # the sandboxes of the modules built here (CRSP)
+                if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
+                    module.teardown("validate")
+
+
 def _accumulates(cfg: Any) -> bool:
     trainer = cfg.get("trainer") or {}
     value = trainer.get("accumulate_grad_batches", 1)
@@ -441,7 +348,8 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
     """Everything ``lit-memopt estimate`` prints, without printing it."""
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), _cpu_seconds()
-    estimator = _Estimator(cfg, opts["check"], opts["per_rank"], opts["cpu_offload"], opts["trace_all_blocks"])
+    estimator = _Estimator(cfg, opts["check"], opts["per_rank"], opts["cpu_offload"], opts["trace_all_blocks"],
+                           opts["trace_rank"])
     if opts["gpu_bytes"] is not None:
         # The fit is judged on the usable bytes: the allocator model releases its cache there, as a real one does at
         # the device's size (per rank: the whole model's trace on that device, judged again per rank in
@@ -518,8 +426,8 @@ def render_report(report: EstimateReport, console: Any = None) -> None:
     extra = [""] if report.measured_peak_bytes is not None else []
     for key, label in BREAKDOWN_LABELS.items():
         value = est.breakdown.get(key, 0)
-        if key == COMMUNICATION_ROW and report.per_rank is None:
-            continue  # a row of per-rank estimates only
+        if key == COMMUNICATION_ROW and (report.per_rank is None or not value):
+            continue  # a row of the per-rank arithmetic only (a traced rank's gathered blocks are parameters)
         table.add_row(label, format_bytes(value), f"{100 * value / max(est.peak_bytes, 1):.0f}%", *extra)
     table.add_section()
     measured = [format_bytes(report.measured_peak_bytes)] if report.measured_peak_bytes is not None else []

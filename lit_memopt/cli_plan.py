@@ -71,7 +71,7 @@ NEAR_FULL = 0.02
 ACTIVATION_OFFLOAD_KEY = "callbacks.activation_offload"
 ACTIVATION_OFFLOAD = {"_target_": "lit_memopt.callbacks.ActivationCheckpointing", "recompute": False, "offload_to_cpu": True}
 # Command-line keys that configure the plan itself, not the run it plans.
-_PLAN_ONLY = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=", "trace_all_blocks=")
+_PLAN_ONLY = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=", "trace_all_blocks=", "trace_rank=")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
@@ -299,9 +299,10 @@ def plan_recipe(cfg: Any) -> PlanResult:
     opts = estimate_options(cfg)
     if opts["gpu_bytes"] is None:
         raise ValueError("plan needs the memory of one device: add gpu_memory=24GiB (or 40GiB, 80GiB, ...)")
-    if opts["trace_all_blocks"]:
-        raise ValueError("trace_all_blocks is an estimate option: plan shares 1- and 2-block traces across its candidates. "
-                         "Check the plan it prints with `lit-memopt estimate <its overrides> trace_all_blocks=true`")
+    if opts["trace_all_blocks"] or opts["trace_rank"]:
+        option = "trace_all_blocks" if opts["trace_all_blocks"] else "trace_rank"
+        raise ValueError(f"{option} is an estimate option: plan shares one-device 1- and 2-block traces across its "
+                         f"candidates. Check the plan it prints with `lit-memopt estimate <its overrides> {option}=true`")
     section = _plan_section(cfg)
     device = section["device"]
     cpu_target = device.name.startswith("CPU")

@@ -283,6 +283,21 @@ def _fsdp_state(sharded: tuple[torch.nn.Module, list[torch.nn.Module]]) -> None:
         compat_distributed.drop_unsharded_gradients(module)
 
 
+def _fake_backend() -> None:
+    """The backend registers on import, and a fake rank of 4 runs FSDP2's gather: a tensor of the whole size comes back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    assert not dist.is_initialized()
+    dist.init_process_group(compat_distributed.fake_backend(), store=dist.HashStore(), rank=0, world_size=4)
+    try:
+        assert dist.get_world_size() == 4
+        sharded = distribute_tensor(torch.zeros(8, 2), init_device_mesh("cpu", (4,)), [Shard(0)])
+        assert sharded.to_local().shape == (2, 2) and sharded.full_tensor().shape == (8, 2)
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------ MemTracker
 def _mem_tracker_types() -> None:
     _has(compat_mem_tracker.MemRefType, "PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT")
@@ -428,6 +443,14 @@ def _module_trainer() -> None:
     assert compat_lightning.attached_trainer(module) is trainer
 
 
+def _module_device_mesh() -> None:
+    module = _Tiny()
+    assert module.device_mesh is None
+    mesh = object()
+    compat_lightning.set_device_mesh(module, mesh)
+    assert module.device_mesh is mesh, "LightningModule.device_mesh no longer reads the attribute the strategy sets"
+
+
 def _state_key() -> None:
     class Named(Callback):
         pass
@@ -503,6 +526,7 @@ TRIPWIRES: dict[str, Callable[..., None]] = {
     "FSDPParamGroup().fsdp_params": _fsdp_state,
     "FSDPParam().unsharded_accumulated_grad": _fsdp_state,
     "FSDPParam()._unsharded_param": _fsdp_state,
+    "torch.testing._internal.distributed.fake_pg": _fake_backend,
     # MemTracker
     "torch.distributed._tools.mem_tracker.MemTracker": _mem_tracker_hooks,
     "torch.distributed._tools.mem_tracker._MemRefType": _mem_tracker_types,
@@ -520,6 +544,7 @@ TRIPWIRES: dict[str, Callable[..., None]] = {
     **{f"ModelCheckpoint().{name}": _model_checkpoint_attribute(name) for name in compat_lightning.PRIVATE_ATTRIBUTES},
     "Trainer().fit_loop._should_accumulate": _should_accumulate,
     "LightningModule()._trainer": _module_trainer,
+    "LightningModule()._device_mesh": _module_device_mesh,
     "Callback._generate_state_key": _state_key,
     "RichProgressBar._get_train_description": _progress_bar_hook,
 }

@@ -34,6 +34,7 @@ __all__ = [
     "set_fsdp_comms",
     "is_fsdp_root",
     "drop_unsharded_gradients",
+    "fake_backend",
     "PRIVATE_NAMES",
 ]
 
@@ -103,6 +104,21 @@ def drop_unsharded_gradients(fsdp_module: nn.Module) -> None:
                 unsharded.grad = None
 
 
+# ------------------------------------------------------------------------------------ the fake process group
+def fake_backend() -> str:
+    """The name of torch's ``fake`` process-group backend, registered: one process stands in for a rank of any world size.
+
+    Its collectives do nothing, yet FSDP2 allocates what it would (gathered blocks, reduce-scatter buffers), so a rank's
+    step traced under fake tensors holds what a real rank holds. ``dist.Backend.FAKE`` is public, but torch registers the
+    backend only when ``torch.testing._internal.distributed.fake_pg`` is imported (torchtitan's memory estimator does the
+    same); its ``FakeStore`` is not needed (``dist.HashStore`` does the job).
+    """
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the backend
+
+    return str(dist.Backend.FAKE)
+
+
 # ------------------------------------------------------------------------------------ the registry
 # private name (as torch spells it) -> the function or re-export of this module that wraps it
 PRIVATE_NAMES: dict[str, str] = {
@@ -123,4 +139,5 @@ PRIVATE_NAMES: dict[str, str] = {
     "FSDPParamGroup().fsdp_params": "drop_unsharded_gradients",
     "FSDPParam().unsharded_accumulated_grad": "drop_unsharded_gradients",
     "FSDPParam()._unsharded_param": "drop_unsharded_gradients",
+    "torch.testing._internal.distributed.fake_pg": "fake_backend",
 }

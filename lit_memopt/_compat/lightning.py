@@ -19,6 +19,7 @@ __all__ = [
     "record_checkpoint_written",
     "should_accumulate",
     "attached_trainer",
+    "set_device_mesh",
     "callback_state_key",
     "PROGRESS_BAR_DESCRIPTION_HOOK",
     "default_train_description",
@@ -102,6 +103,15 @@ def attached_trainer(module: LightningModule | Any) -> Trainer | None:
     return getattr(module, "_trainer", None)
 
 
+def set_device_mesh(module: LightningModule, mesh: Any) -> None:
+    """Give ``module`` the device mesh its ``configure_model`` shards over, as ``ModelParallelStrategy`` does in setup.
+
+    The public ``device_mesh`` property has no setter; the strategy writes the attribute behind it. The estimator does
+    the same to shard a module outside a Trainer, over a fake process group (``memory.fake_ranks``).
+    """
+    module._device_mesh = mesh
+
+
 def callback_state_key(callback: Callback, **arguments: Any) -> str:
     """A callback's ``state_key`` from the arguments that make two instances different (``Name{'every_n_steps': 5}``).
 
@@ -135,6 +145,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "ModelCheckpoint()._last_checkpoint_saved": "record_checkpoint_written",
     "Trainer().fit_loop._should_accumulate": "should_accumulate",
     "LightningModule()._trainer": "attached_trainer",
+    "LightningModule()._device_mesh": "set_device_mesh",
     "Callback._generate_state_key": "callback_state_key",
     "RichProgressBar._get_train_description": "PROGRESS_BAR_DESCRIPTION_HOOK",
 }

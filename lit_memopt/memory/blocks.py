@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -228,7 +228,7 @@ def _import_what_a_trace_imports(module: torch.nn.Module) -> None:
 
 
 def estimate_with_blocks(
-    module: torch.nn.Module,
+    module: torch.nn.Module | None,
     batch: Any,
     num_blocks: int,
     *,
@@ -236,6 +236,8 @@ def estimate_with_blocks(
     check: bool = True,
     parallel: bool = False,
     period: int = 1,
+    build: Callable[[int], torch.nn.Module] | None = None,
+    require_stitch: bool = False,
     **kwargs: Any,
 ) -> PeakEstimate:
     """:func:`estimate_peak` of ``module`` as if it had ``num_blocks`` blocks, from traces of 1 and 2 (and 3).
@@ -245,6 +247,15 @@ def estimate_with_blocks(
     ``parallel=True`` runs the largest trace (the check, or the second probe when ``check=False``) in a
     forked copy of the process while this one runs the others (``memory.forked``; where forking is
     unsafe, or the copy fails, it runs here after them). Keyword arguments go to :func:`estimate_peak`.
+
+    ``build``: ``blocks -> module`` built with that many blocks, for each trace, instead of truncating ``module`` (then
+    ``None``): a module whose blocks cannot be dropped after it was built (sharded by FSDP2, which keeps its blocks'
+    states from its first forward on).
+
+    ``require_stitch``: the stitched log must check out, or :class:`LinearityError` is raised (trace the whole model):
+    for a step whose phase peak can move to another point of the phase past the probes (a sharded rank: its backward
+    peaks at the head's temporaries with few blocks, on the blocks' activations with 36), which the stitched log sees
+    and the line through the probes does not.
 
     ``period``: the blocks repeat in groups of ``period`` (every ``period``-th block checkpointed): every trace
     count above is multiplied by it (probes ``period`` and ``2 * period``, checked with ``3 * period``; built with
@@ -270,7 +281,7 @@ def estimate_with_blocks(
     probe_blocks, check_blocks = tuple(k * p for k in PROBE_BLOCKS), CHECK_BLOCKS * p
     shifted_probes, shifted_check = tuple(k * p for k in SHIFTED_PROBE_BLOCKS), SHIFTED_CHECK_BLOCKS * p
     need = check_blocks if check else max(probe_blocks)
-    if built_blocks < need or count_blocks(module, built_blocks) == 0:
+    if build is None and (module is None or built_blocks < need or count_blocks(module, built_blocks) == 0):
         raise ValueError(
             f"estimate_with_blocks: the module needs decoders built with at least {need} blocks (a `layers` list "
             f"of length built_blocks={built_blocks}); none found"
@@ -280,6 +291,8 @@ def estimate_with_blocks(
     keep_log = kwargs.get("model_allocator", True)
 
     def trace(k: int) -> PeakEstimate:
+        if build is not None:
+            return estimate_peak(build(k), batch, keep_allocation_log=keep_log, **kwargs)
         with truncated_blocks(module, k, built_blocks):
             return estimate_peak(module, batch, keep_allocation_log=keep_log, **kwargs)
 
@@ -288,7 +301,7 @@ def estimate_with_blocks(
     # run here (two cores busy; a third process on a 2-core machine measured slower, not faster).
     largest = counts[-1]
     forking = parallel and can_fork()
-    if forking:
+    if forking and module is not None:
         _import_what_a_trace_imports(module)
     child = ForkedCall(lambda: trace(largest)) if forking else None
     started = time.perf_counter()
@@ -314,7 +327,7 @@ def estimate_with_blocks(
             # A 1-block step can peak somewhere else than every longer stack (measured: a LoRA 7B
             # model's forward peak), a kink the line through 1 and 2 blocks cannot see. Moving the
             # window up one block keeps the same check: probes 2 and 3, checked with 4.
-            if built_blocks < shifted_check:
+            if build is None and built_blocks < shifted_check:
                 raise
             traces[shifted_check] = trace(shifted_check)
             try:
@@ -330,6 +343,8 @@ def estimate_with_blocks(
         stitched = stitched_reserved(traces, probes, checked_at if check else None, num_blocks, result,
                                      kwargs.get("device_bytes"))
         if isinstance(stitched, str):
+            if require_stitch:
+                raise LinearityError(f"the stitched allocation log did not check out: {stitched}")
             method += f"; reserved: the line through the probes ({stitched})"
         else:
             reserved, least = stitched

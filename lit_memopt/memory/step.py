@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
@@ -532,7 +533,8 @@ def _optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> int:
         for state in opt.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    st = value.untyped_storage()
+                    # a sharded state (DTensor) holds its local shard: the wrapper's storage has the global size
+                    st = (value.to_local() if isinstance(value, DTensor) else value).untyped_storage()
                     seen[storage_key(st)] = st.nbytes()
     return sum(seen.values())
 
