@@ -179,3 +179,36 @@ def test_blocks_that_hand_on_to_the_next_are_stitched_as_a_longer_step_runs(bloc
     assert [(sign, size) for sign, _, size in stitched.events] == [(sign, size) for sign, _, size in exact.events]
     assert phase_peaks(stitched) == phase_peaks(exact)
     assert reserved_peak(stitched.events) == reserved_peak([(s, k, n) for s, k, n in exact.events])
+
+
+def _crossing(n: int) -> PhasedLog:
+    """n blocks: forward keeps an activation (10) per block; backward holds the head's temporary (100) on top of them,
+    then each block, last first, makes its gradient (15, kept) and frees its activation. Backward peaks at the head
+    (10 n + 100) up to 18 blocks and at its last block (15 n + 10) from there: the line through few blocks misses the
+    deep step's peak."""
+    forward = [(1, f"x{i}", 10) for i in range(n)]
+    backward = [(1, "head", 100), (-1, "head", 100)]
+    for i in reversed(range(n)):
+        backward += [(1, f"g{i}", 15), (-1, f"x{i}", 10)]
+    step = [(1, "update", 1)] + [(-1, f"g{i}", 15) for i in range(n)]
+    return _log(("forward", forward), ("backward", backward), ("optimizer step", step))
+
+
+def test_the_window_moves_to_where_the_stitched_logs_run_on_a_line() -> None:
+    class Stitched:
+        """The logs a stitch of the logs of ``first`` and one more block gives: ``copies`` blocks past ``first``."""
+
+        def __init__(self, first: int) -> None:
+            self.first = first
+
+        def log(self, copies: int) -> PhasedLog:
+            return _crossing(self.first + copies)
+
+    assert phase_peaks(_crossing(36)) == {"forward": 360, "backward": 550, "optimizer step": 541}
+    assert phase_peaks(_crossing(3))["backward"] == 130  # the head's line: 460 at 36 blocks
+    # from 18 blocks on the line through n and n + 1 gives the 36-block peaks; through 17 and 18 it says 460
+    assert blocks._affine_window(Stitched(1), (1, 2), 36) == 18
+    assert blocks._affine_window(Stitched(2), (2, 3), 36) == 18
+    assert blocks._affine_window(Stitched(1), (1, 2), 10) == 2  # up to 10 blocks the head's line holds throughout
+    # 19 blocks peak past the head's line (295 against 290), and no two counts short of 19 are on the line to it
+    assert blocks._affine_window(Stitched(1), (1, 2), 19) is None

@@ -179,6 +179,80 @@ def _phases_bounded(log_peaks: dict[str, int], line: dict[str, int]) -> bool:
     return abs(top - step) <= tol * max(step, 1)
 
 
+def _checked_stitch(traces: dict[int, PeakEstimate], probes: Sequence[int], checked_at: int | None,
+                    device_bytes: int | None) -> BlockStitch | str:
+    """The probes' logs stitched (``memory.stitch``), checked against the check trace where there is one (its phase
+    peaks, and its reserved figure within :data:`STITCH_TOLERANCE`); or why not (a phrase)."""
+    low, high = (traces[k].allocation_log for k in probes)
+    if low is None or high is None:
+        return "the probes kept no allocation log"
+    stitch = BlockStitch(low, high)
+    if checked_at is not None:
+        at_check = stitch.log((checked_at - probes[0]) // (probes[1] - probes[0]))
+        check = traces[checked_at]
+        if at_check is None:
+            return "the probes' logs did not align"
+        if not _phases_agree(phase_peaks(at_check), check.phase_peaks):
+            return f"the log stitched to {checked_at} blocks has other phase peaks than its trace"
+        traced = check.reserved_peak_bytes
+        replayed, _ = reserved_peaks(at_check.events, device_bytes)
+        if traced is None or abs(replayed - traced) > STITCH_TOLERANCE * max(traced, 1):
+            return f"the log stitched to {checked_at} blocks replays to {replayed} reserved bytes, its trace to {traced}"
+    return stitch
+
+
+def _affine_window(stitch: BlockStitch, probes: Sequence[int], num_blocks: int) -> int | None:
+    """The fewest blocks ``n`` (past the probes, a step of blocks apart) from which the stitched logs' phase peaks run on
+    a line to ``num_blocks``: the line through ``n`` and the next count gives every phase peak of the
+    ``num_blocks``-block log. ``None`` where no such ``n`` is short of ``num_blocks``."""
+    step = probes[1] - probes[0]
+
+    def peaks(n: int) -> dict[str, int] | None:
+        log = stitch.log((n - probes[0]) // step)
+        return None if log is None else phase_peaks(log)
+
+    target = peaks(num_blocks)
+    if target is None:
+        return None
+    n, here = probes[1], peaks(probes[1])
+    while n + step < num_blocks and here is not None:
+        after = peaks(n + step)
+        if after is None:
+            return None
+        line = {p: _line((here.get(p, 0), after.get(p, 0)), (n, n + step), num_blocks) for p in target}
+        if _phases_agree(line, target):
+            return n
+        n, here = n + step, after
+    return None
+
+
+def _moved_window(traces: dict[int, PeakEstimate], probes: Sequence[int], checked_at: int | None, num_blocks: int,
+                  trace: Callable[[int], PeakEstimate], device_bytes: int | None
+                  ) -> tuple[PeakEstimate, tuple[int, int | None], tuple[int, int]] | None:
+    """Where the line through the probes misses a phase peak of the whole step that their checked stitched log has (a
+    rank's backward peaks at the head's temporaries with few blocks and on the blocks' activations with many), two
+    more traces where the stitched log is on a line (:func:`_affine_window`) give the estimate: ``(estimate, (reserved,
+    least device), window)``, or ``None``. The window's traces must have their stitched logs' phase peaks, and the line
+    through them the whole step's."""
+    stitch = _checked_stitch(traces, probes, checked_at, device_bytes)
+    start = None if isinstance(stitch, str) else _affine_window(stitch, probes, num_blocks)
+    if start is None or isinstance(stitch, str):
+        return None
+    step = probes[1] - probes[0]
+    window = (start, start + step)
+    for k in window:
+        if k not in traces:
+            traces[k] = trace(k)
+        at_k = stitch.log((k - probes[0]) // step)
+        if at_k is None or not _phases_agree(phase_peaks(at_k), traces[k].phase_peaks):
+            return None
+    result = extrapolate([traces[k] for k in window], window, num_blocks)
+    target = stitch.log((num_blocks - probes[0]) // step)
+    if target is None or not _phases_agree(phase_peaks(target), result.phase_peaks):
+        return None
+    return result, reserved_peaks(target.events, device_bytes), window
+
+
 def stitched_reserved(traces: dict[int, PeakEstimate], probes: Sequence[int], checked_at: int | None, num_blocks: int,
                       line: PeakEstimate, device_bytes: int | None) -> tuple[int, int | None] | str:
     """The reserved peak (and least device, given ``device_bytes``) of ``num_blocks`` blocks from the probes'
@@ -189,23 +263,10 @@ def stitched_reserved(traces: dict[int, PeakEstimate], probes: Sequence[int], ch
     :func:`_phases_bounded`) and, with a check trace (``checked_at``), the log stitched to its block count has that
     trace's phase peaks and a reserved figure within :data:`STITCH_TOLERANCE` of it.
     """
-    low, high = (traces[k].allocation_log for k in probes)
-    if low is None or high is None:
-        return "the probes kept no allocation log"
-    stitch = BlockStitch(low, high)
-    step = probes[1] - probes[0]
-    if checked_at is not None:
-        at_check = stitch.log((checked_at - probes[0]) // step)
-        check = traces[checked_at]
-        if at_check is None:
-            return "the probes' logs did not align"
-        if not _phases_agree(phase_peaks(at_check), check.phase_peaks):
-            return f"the log stitched to {checked_at} blocks has other phase peaks than its trace"
-        traced = check.reserved_peak_bytes
-        replayed, _ = reserved_peaks(at_check.events, device_bytes)
-        if traced is None or abs(replayed - traced) > STITCH_TOLERANCE * max(traced, 1):
-            return f"the log stitched to {checked_at} blocks replays to {replayed} reserved bytes, its trace to {traced}"
-    target = stitch.log((num_blocks - probes[0]) // step)
+    stitch = _checked_stitch(traces, probes, checked_at, device_bytes)
+    if isinstance(stitch, str):
+        return stitch
+    target = stitch.log((num_blocks - probes[0]) // (probes[1] - probes[0]))
     if target is None:
         return "the probes' logs did not align"
     if not _phases_bounded(phase_peaks(target), line.phase_peaks):
@@ -342,6 +403,13 @@ def estimate_with_blocks(
     if keep_log:
         stitched = stitched_reserved(traces, probes, checked_at if check else None, num_blocks, result,
                                      kwargs.get("device_bytes"))
+        if isinstance(stitched, str) and build is not None:
+            moved = _moved_window(traces, probes, checked_at if check else None, num_blocks, trace, kwargs.get("device_bytes"))
+            if moved is not None:
+                result, stitched, window = moved
+                method = (f"blocks traced: {window[0]} and {window[1]}, extrapolated to {num_blocks} (the log stitched from "
+                          f"traces of {probes[0]} and {probes[1]} blocks" + (f", checked with {checked_at}," if check else "")
+                          + f" runs on that line from {window[0]} blocks on, not from {probes[0]}: each phase peak agrees)")
         if isinstance(stitched, str):
             if require_stitch:
                 raise LinearityError(f"the stitched allocation log did not check out: {stitched}")

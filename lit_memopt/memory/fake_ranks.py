@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,7 +72,9 @@ def estimate_rank(build: Callable[[int | None, DeviceMesh], torch.nn.Module], ba
     Raises:
         RuntimeError: this process already has a process group (see :func:`fake_process_group`).
     """
-    with fake_process_group(world_size) as mesh:
+    with fake_process_group(world_size) as mesh, warnings.catch_warnings():
+        # FSDP2 asks its fake buffers for a data pointer (torch warns: deprecated on fake tensors); the trace needs none
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         if num_blocks is None:
             est = estimate_peak(build(None, mesh), batch, **kwargs)
         else:
