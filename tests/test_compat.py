@@ -298,6 +298,27 @@ def _fake_backend() -> None:
         dist.destroy_process_group()
 
 
+def _fsdp_storage() -> None:
+    """FSDP2's two storage functions still take a tensor and resize its storage in place; the seam reports both and
+    puts them back."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    before = (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage)
+    assert before[2] is before[0], "FSDPParamGroup no longer imports FSDPParam's alloc_storage"
+    _signature(before[0], "tensor")
+    _signature(before[1], "tensor")
+    seen: list[tuple[str, int]] = []
+    t = torch.empty(4)
+    t.untyped_storage().resize_(0)
+    with compat_distributed.observed_fsdp_storage(lambda x, n: seen.append(("alloc", n)), lambda x: seen.append(("free", 0))):
+        _fsdp_param_group.alloc_storage(t)
+        assert t.untyped_storage().nbytes() == 16
+        _fsdp_param.free_storage(t)
+        assert t.untyped_storage().nbytes() == 0
+    assert seen == [("alloc", 16), ("free", 0)]
+    assert (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage) == before
+
+
 # ------------------------------------------------------------------------------------ MemTracker
 def _mem_tracker_types() -> None:
     _has(compat_mem_tracker.MemRefType, "PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT")
@@ -527,6 +548,9 @@ TRIPWIRES: dict[str, Callable[..., None]] = {
     "FSDPParam().unsharded_accumulated_grad": _fsdp_state,
     "FSDPParam()._unsharded_param": _fsdp_state,
     "torch.testing._internal.distributed.fake_pg": _fake_backend,
+    "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage": _fsdp_storage,
+    "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage": _fsdp_storage,
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage": _fsdp_storage,
     # MemTracker
     "torch.distributed._tools.mem_tracker.MemTracker": _mem_tracker_hooks,
     "torch.distributed._tools.mem_tracker._MemRefType": _mem_tracker_types,

@@ -6,8 +6,10 @@ name listed in :data:`PRIVATE_NAMES` against the installed torch. No Lightning h
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
 # torch's activation-checkpoint wrapper (non-reentrant ``torch.utils.checkpoint`` around a module, with state-dict
@@ -35,6 +37,7 @@ __all__ = [
     "is_fsdp_root",
     "drop_unsharded_gradients",
     "fake_backend",
+    "observed_fsdp_storage",
     "PRIVATE_NAMES",
 ]
 
@@ -104,6 +107,43 @@ def drop_unsharded_gradients(fsdp_module: nn.Module) -> None:
                 unsharded.grad = None
 
 
+@contextlib.contextmanager
+def observed_fsdp_storage(allocating: Callable[[torch.Tensor, int], None],
+                          freed: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Within the block, FSDP2's in-place storage changes are reported: ``allocating(tensor, nbytes)`` before it gives a
+    tensor's storage ``nbytes`` (it may raise to refuse), ``freed(tensor)`` after it empties one.
+
+    FSDP2 gathers a block into storages it keeps between uses, and frees and re-allocates them with
+    ``UntypedStorage.resize_`` (its gathered parameters and all-gather buffers), which no ATen op reports; a dispatch
+    mode (``memory.budget``) sees neither. Both go through two module functions of ``_fsdp_param`` (one also imported
+    by ``_fsdp_param_group``), replaced here and put back after. Nested blocks wrap each other.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+    group_alloc = _fsdp_param_group.alloc_storage
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.itemsize  # what FSDP2's own function gives the storage
+        if tensor.untyped_storage().size() != nbytes:
+            allocating(tensor, nbytes)
+        alloc(tensor)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        had = tensor.untyped_storage().size()
+        free(tensor)
+        if had:
+            freed(tensor)
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+    _fsdp_param_group.alloc_storage = alloc_storage
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+        _fsdp_param_group.alloc_storage = group_alloc
+
+
 # ------------------------------------------------------------------------------------ the fake process group
 def fake_backend() -> str:
     """The name of torch's ``fake`` process-group backend, registered: one process stands in for a rank of any world size.
@@ -140,4 +180,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "FSDPParam().unsharded_accumulated_grad": "drop_unsharded_gradients",
     "FSDPParam()._unsharded_param": "drop_unsharded_gradients",
     "torch.testing._internal.distributed.fake_pg": "fake_backend",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage": "observed_fsdp_storage",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage": "observed_fsdp_storage",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage": "observed_fsdp_storage",
 }

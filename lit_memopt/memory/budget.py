@@ -6,12 +6,14 @@ CPU included, deterministically.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
 
 import torch
 
+from lit_memopt._compat.distributed import observed_fsdp_storage
 from lit_memopt._compat.torch import TorchDispatchMode, is_traceable_wrapper_subclass, storage_key, tree_flatten
 from lit_memopt.memory.units import format_bytes
 
@@ -109,9 +111,10 @@ class MemoryBudget(TorchDispatchMode):
     storage and cost nothing; in-place ops cost nothing unless they grow a tracked storage.
     Storages on CUDA are rounded up to 512 bytes like the caching allocator; meta tensors are free.
     Temporaries that a backend kernel allocates internally (not through an ATen op) are invisible, and so are
-    storages resized in place outside ATen ops: FSDP2 frees and re-allocates its gathered parameters with
-    ``UntypedStorage.resize_`` (measured on the tiny model over 2 ranks: 41.29 MiB here, 44.67 MiB by the tracker,
-    the difference the gathered blocks; ``docs/will-it-fit.md``).
+    storages resized in place outside ATen ops, except FSDP2's: it frees and re-allocates its gathered parameters and
+    all-gather buffers with ``UntypedStorage.resize_``, which the budget follows through FSDP2's own two functions for it
+    (``_compat.distributed.observed_fsdp_storage``; without them a rank's step on the tiny model over 2 ranks read
+    41.29 MiB, the tracker 44.67 MiB, the difference the gathered blocks).
 
     Args:
         budget_bytes: the limit on ``current_bytes``; ``None`` only tracks (never raises). Settable
@@ -156,6 +159,24 @@ class MemoryBudget(TorchDispatchMode):
         self._peak = baseline_bytes
         # RLock: a finalizer can run on this thread while we hold the lock (GC during dispatch).
         self._lock = threading.RLock()
+        self._fsdp_hooks: list[contextlib.ExitStack] = []  # one per entry (the object can be re-entered)
+
+    def __enter__(self) -> "MemoryBudget":
+        stack = contextlib.ExitStack()
+        stack.enter_context(observed_fsdp_storage(self._fsdp_allocating, self._fsdp_freed))
+        self._fsdp_hooks.append(stack)
+        try:
+            super().__enter__()
+        except BaseException:
+            self._fsdp_hooks.pop().close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._fsdp_hooks.pop().close()
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -208,6 +229,35 @@ class MemoryBudget(TorchDispatchMode):
         ref = weakref.ref(st, lambda r, k=key: self._on_free(k, r))
         self._live[key] = (ref, cost)
         self._tracked += cost
+
+    def _fsdp_allocating(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """FSDP2 is about to give ``tensor``'s storage ``nbytes`` in place: counted as an allocation (refused past the
+        budget, before it happens)."""
+        st = tensor.untyped_storage()
+        if not self._counts(st):
+            return
+        cost = -(-nbytes // _CUDA_BLOCK_BYTES) * _CUDA_BLOCK_BYTES if st.device.type == "cuda" else nbytes
+        with self._lock:
+            key = storage_key(st)
+            entry = self._live.get(key)
+            delta = cost - (entry[1] if entry is not None else 0)
+            if delta > 0 and self.budget_bytes is not None and self.current_bytes + delta > self.budget_bytes:
+                self._raise_oom("FSDP2's alloc_storage (UntypedStorage.resize_)", delta)
+            if entry is None:
+                self._register(st, cost)
+            else:
+                self._tracked += delta
+                self._live[key] = (entry[0], cost)
+            self._peak = max(self._peak, self.current_bytes)
+
+    def _fsdp_freed(self, tensor: torch.Tensor) -> None:
+        """FSDP2 emptied ``tensor``'s storage in place: its bytes stop counting (the storage object lives on)."""
+        with self._lock:
+            key = storage_key(tensor.untyped_storage())
+            entry = self._live.get(key)
+            if entry is not None:
+                self._tracked -= entry[1]
+                self._live[key] = (entry[0], 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
