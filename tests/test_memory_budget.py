@@ -179,3 +179,37 @@ def test_budget_can_change_between_steps() -> None:
 def test_rejects_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="budget_bytes|baseline_bytes"):
         memory_budget(**kwargs)
+
+
+def test_fsdp2s_gathered_blocks_count_while_gathered_and_refuse_past_the_budget() -> None:
+    """FSDP2 gathers each block into storages it keeps between uses and resizes in place (no ATen op): the budget
+    counts them while they are gathered, as the step tracker does, and refuses a gather that passes it."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lit_memopt.memory.fake_ranks import fake_process_group
+    from lit_memopt.memory.tracker import StepTracker
+
+    torch.manual_seed(0)
+    with fake_process_group(2) as mesh:
+        model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(8, 256)
+
+        def step() -> None:
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        step()  # FSDP2's lazy init and buffers of the first step
+        tracker = StepTracker()
+        tracker.track_external(model)
+        with tracker:
+            step()
+        baseline = storage_bytes(model)  # the local shards
+        with memory_budget(None, baseline_bytes=baseline) as probe:
+            step()
+        # equal to the byte (1,866,760 here; 1,603,592 when the budget did not follow FSDP2's storage)
+        assert probe.peak_bytes == max(tracker.phase_peaks.values())
+        with memory_budget(probe.peak_bytes - 1, baseline_bytes=baseline), pytest.raises(torch.OutOfMemoryError):
+            step()
