@@ -16,6 +16,8 @@ _EXPORTS = {
     "fake_mode": ".fake",
     "peak_during": ".fake",
     "PeakStats": ".fake",
+    "fake_process_group": ".fake_ranks",
+    "estimate_rank": ".fake_ranks",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
