@@ -17,15 +17,12 @@ from typing import Any
 
 import torch
 
-from lit_memopt.cli_fake_run import (  # noqa: F401 - re-exported: the estimator's building blocks, used by plan
+from lit_memopt.cli_fake_run import (
     activation_checkpointing_callbacks,
     block_count,
     build_fake_run,
     build_measured_module,
     checkpoint_period_of,
-    step_config,
-    with_blocks,
-    with_fake_weights,
 )
 from lit_memopt.memory.batch import resize_batch
 from lit_memopt.memory.blocks import (

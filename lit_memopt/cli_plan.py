@@ -17,14 +17,13 @@ from typing import Any
 
 from lit_memopt.cli_estimate import (
     RecipeEstimator,
-    activation_checkpointing_callbacks,
-    block_count,
     cpu_seconds,
     data_parallel_plan,
     estimate_options,
     recipe_batch,
     strategy_cpu_offload,
 )
+from lit_memopt.cli_fake_run import activation_checkpointing_callbacks, block_count
 from lit_memopt.memory.batch import batch_geometry, resize_batch
 from lit_memopt.memory.plan import (
     Candidate,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lit_memopt.cli import compose_config
-from lit_memopt.cli_estimate import activation_checkpointing_callbacks, build_measured_module, checkpoint_period_of, estimate_recipe
+from lit_memopt.cli_estimate import estimate_recipe
+from lit_memopt.cli_fake_run import activation_checkpointing_callbacks, build_measured_module, checkpoint_period_of
 
 BASE = ["recipe=sft", "model.arch.num_hidden_layers=12", "check_linearity=false"]
 CALLBACK = "callbacks=[default,activation_checkpointing]"

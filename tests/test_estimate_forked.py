@@ -132,7 +132,7 @@ def test_a_step_is_built_from_a_composed_config_outside_a_hydra_run(monkeypatch)
     from hydra.core.hydra_config import HydraConfig
 
     from lit_memopt.cli import compose_config, instantiate_run
-    from lit_memopt.cli_estimate import step_config
+    from lit_memopt.cli_fake_run import step_config
 
     # Outside a run, whatever an earlier in-process `lit-memopt` command of this test worker left behind.
     monkeypatch.setattr(HydraConfig.instance(), "cfg", None)

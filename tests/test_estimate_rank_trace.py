@@ -68,7 +68,8 @@ def test_a_traced_rank_on_fake_tensors_matches_the_same_rank_on_real_ones() -> N
     real traces differ by (measured 45.92 vs 44.67 MiB in backward: the activations), nothing of the sharding's."""
     from lit_memopt._compat.lightning import set_device_mesh
     from lit_memopt.cli import compose_config, instantiate_run
-    from lit_memopt.cli_estimate import recipe_batch, step_config
+    from lit_memopt.cli_estimate import recipe_batch
+    from lit_memopt.cli_fake_run import step_config
     from lit_memopt.memory.step import estimate_peak
 
     traced = _estimate("trainer=fsdp2", f"trainer.devices={WORLD}", "trace_rank=true")

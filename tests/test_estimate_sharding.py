@@ -251,7 +251,7 @@ def test_frozen_models_kept_whole_on_every_rank() -> None:
 
 def test_grade_names_its_reference_and_reward_model_as_replicated() -> None:
     from lit_memopt.cli import compose_config, instantiate_run
-    from lit_memopt.cli_estimate import step_config
+    from lit_memopt.cli_fake_run import step_config
     from lit_memopt.models.sharding import decoder_blocks, replicated_parameter_bytes
 
     module = instantiate_run(step_config(compose_config(["recipe=grade"]))).module

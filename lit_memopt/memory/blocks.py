@@ -226,17 +226,16 @@ def _affine_window(stitch: BlockStitch, probes: Sequence[int], num_blocks: int) 
     return None
 
 
-def _moved_window(traces: dict[int, PeakEstimate], probes: Sequence[int], checked_at: int | None, num_blocks: int,
+def _moved_window(stitch: BlockStitch, traces: dict[int, PeakEstimate], probes: Sequence[int], num_blocks: int,
                   trace: Callable[[int], PeakEstimate], device_bytes: int | None
                   ) -> tuple[PeakEstimate, tuple[int, int | None], tuple[int, int]] | None:
     """Where the line through the probes misses a phase peak of the whole step that their checked stitched log has (a
     rank's backward peaks at the head's temporaries with few blocks and on the blocks' activations with many), two
-    more traces where the stitched log is on a line (:func:`_affine_window`) give the estimate: ``(estimate, (reserved,
-    least device), window)``, or ``None``. The window's traces must have their stitched logs' phase peaks, and the line
-    through them the whole step's."""
-    stitch = _checked_stitch(traces, probes, checked_at, device_bytes)
-    start = None if isinstance(stitch, str) else _affine_window(stitch, probes, num_blocks)
-    if start is None or isinstance(stitch, str):
+    more traces where the stitched log (checked: :func:`_checked_stitch`) is on a line (:func:`_affine_window`) give the
+    estimate: ``(estimate, (reserved, least device), window)``, or ``None``. The window's traces must have their
+    stitched logs' phase peaks, and the line through them the whole step's."""
+    start = _affine_window(stitch, probes, num_blocks)
+    if start is None:
         return None
     step = probes[1] - probes[0]
     window = (start, start + step)
@@ -254,16 +253,19 @@ def _moved_window(traces: dict[int, PeakEstimate], probes: Sequence[int], checke
 
 
 def stitched_reserved(traces: dict[int, PeakEstimate], probes: Sequence[int], checked_at: int | None, num_blocks: int,
-                      line: PeakEstimate, device_bytes: int | None) -> tuple[int, int | None] | str:
+                      line: PeakEstimate, device_bytes: int | None, *,
+                      stitch: BlockStitch | str | None = None) -> tuple[int, int | None] | str:
     """The reserved peak (and least device, given ``device_bytes``) of ``num_blocks`` blocks from the probes'
     allocation logs stitched into that step's log (``memory.stitch``) and replayed; or, where that is not trusted,
     why (a phrase).
 
     Trusted where the stitched log's allocated peaks agree with ``line``'s (block extrapolation: see
     :func:`_phases_bounded`) and, with a check trace (``checked_at``), the log stitched to its block count has that
-    trace's phase peaks and a reserved figure within :data:`STITCH_TOLERANCE` of it.
+    trace's phase peaks and a reserved figure within :data:`STITCH_TOLERANCE` of it. ``stitch``: that check's result
+    when the caller made it already (:func:`_checked_stitch`).
     """
-    stitch = _checked_stitch(traces, probes, checked_at, device_bytes)
+    if stitch is None:
+        stitch = _checked_stitch(traces, probes, checked_at, device_bytes)
     if isinstance(stitch, str):
         return stitch
     target = stitch.log((num_blocks - probes[0]) // (probes[1] - probes[0]))
@@ -401,10 +403,12 @@ def estimate_with_blocks(
         method += f" (linear in the block count: checked with a trace of {checked_at}{kink})"
     result = extrapolate([traces[k] for k in probes], probes, num_blocks)
     if keep_log:
-        stitched = stitched_reserved(traces, probes, checked_at if check else None, num_blocks, result,
-                                     kwargs.get("device_bytes"))
-        if isinstance(stitched, str) and build is not None:
-            moved = _moved_window(traces, probes, checked_at if check else None, num_blocks, trace, kwargs.get("device_bytes"))
+        device_bytes = kwargs.get("device_bytes")
+        stitch = _checked_stitch(traces, probes, checked_at if check else None, device_bytes)
+        stitched = stitched_reserved(traces, probes, checked_at if check else None, num_blocks, result, device_bytes,
+                                     stitch=stitch)
+        if isinstance(stitched, str) and build is not None and not isinstance(stitch, str):
+            moved = _moved_window(stitch, traces, probes, num_blocks, trace, device_bytes)
             if moved is not None:
                 result, stitched, window = moved
                 method = (f"blocks traced: {window[0]} and {window[1]}, extrapolated to {num_blocks} (the log stitched from "
