@@ -468,6 +468,13 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
             q = result.fastest_not_fitting
             print(f"Fastest plan that does not fit: {_describe(q, shape)} ({format_bytes(q.peak_bytes)}, "
                   f"{'traced' if q.traced else 'interpolated'}).", file=out)
+        best = result.plans[0].candidate
+        if best.strategy == "fsdp2" and not best.offload and not result.device.name.startswith("CPU"):
+            # memory.sharding carries the one-device trace's allocator overhead over to a rank; a traced rank has its own
+            overrides = plan_overrides(cfg, result, result.plans[0])
+            estimate_argv = [a for a in argv if not a.startswith(("plan.", "+plan."))]
+            print("Plan 1's per-rank figure is arithmetic on a one-device trace (memory.sharding); one rank traced with "
+                  f"its own allocator: {_command('estimate', estimate_argv, overrides)} trace_rank=true", file=out)
         for lever in dict.fromkeys(m for p in result.plans for m in p.candidate.maths):
             print(f"Changes the maths: {_effect(cfg, lever)}.", file=out)
         if result.untried is not None:

@@ -128,3 +128,21 @@ def test_a_ranks_probes_move_up_to_where_the_deep_step_peaks() -> None:
     assert probed.peak_phase == whole.peak_phase == "backward"
     assert probed.phase_peaks == whole.phase_peaks  # bytes, every phase
     assert abs(probed.reserved_peak_bytes - whole.reserved_peak_bytes) <= 0.001 * whole.reserved_peak_bytes
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_fsdp2_plan_names_the_estimate_that_traces_its_rank(capsys, tmp_path) -> None:  # noqa: ANN001
+    import shlex
+
+    from lit_memopt.cli import main
+
+    args = [*BASE, "trainer=fsdp2", "trainer.devices=2", "gpu_memory=1GiB", "plan.device=a100"]
+    assert main(["plan", *args, f"hydra.run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    hint = next(line for line in out.splitlines() if line.startswith("Plan 1's per-rank figure is arithmetic"))
+    command = shlex.split(hint.split("its own allocator: ", 1)[1])
+    assert command[:2] == ["lit-memopt", "estimate"] and command[-1] == "trace_rank=true"
+    assert not any(a.startswith("plan.") for a in command), command  # the plan's own keys are left out
+    assert main([*command[1:], f"hydra.run.dir={tmp_path}"]) == 0
+    assert "traced as rank 0 of 2 on a fake process group" in capsys.readouterr().out.replace("\n", " ")
