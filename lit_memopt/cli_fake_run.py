@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 from lit_memopt._compat.lightning import set_device_mesh
@@ -147,7 +148,11 @@ def build_fake_run(cfg: Any, blocks: int | None, callbacks: list[Any] | None = N
         modes.append(prepared.fake_mode)
         return prepared
 
-    run = instantiate_run(step_config(cfg), prepare_model_config=prepare)
+    with warnings.catch_warnings():
+        # A module that copies its policy for a frozen reference (Intuitor, GRPO) deep-copies fake weights here, and
+        # torch's Tensor.__deepcopy__ asks each for a data pointer, which it warns is deprecated on fake tensors.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        run = instantiate_run(step_config(cfg), prepare_model_config=prepare)
     module = run.module
     if modes:
         # One mode for the module's fakes: each model built here has its own (a reference copied from the policy

@@ -336,3 +336,17 @@ def test_head_gradients_made_in_forward_do_not_raise_the_step_peak(monkeypatch) 
     # ...and the step's peak does not grow.
     assert in_forward.peak_bytes == recomputing.peak_bytes
     assert in_forward.reserved_peak_bytes <= recomputing.reserved_peak_bytes * 1.01
+
+
+def test_a_reference_copy_of_fake_weights_warns_nothing() -> None:
+    """GRPO copies its policy for the frozen reference: on fake weights torch's deepcopy asked each for a data pointer and
+    printed a deprecation warning that called it a bug in the user's code."""
+    import warnings
+
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_estimate import estimate_recipe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        estimate_recipe(compose_config(["recipe=grpo", "check_linearity=false"]))
+    assert not [w for w in caught if "data pointer of FakeTensor" in str(w.message)]
