@@ -241,9 +241,14 @@ class _Estimator:
 
     def close(self) -> None:
         """Stop what ``build_fake_run`` started (CRSP's sandbox workers)."""
-        module = self.run.module
-        if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
-            module.teardown("validate")
+        _stop_sandbox(self.run.module)
+
+    def _arithmetic_from_now(self, note: str) -> None:
+        """A rank is not traced after all: per-rank figures are memory.sharding's arithmetic from here on (said in
+        ``note``), and the traced ranks cached so far are dropped."""
+        self.notes.append(note)
+        self.rank_world = None
+        self.cache.clear()
 
     def _filler(self) -> int:
         module = self.run.module
@@ -318,12 +323,10 @@ class _Estimator:
                 # The probes traced at least 1, 2 and 3 groups of `period` blocks: the whole rank takes about this.
                 whole = (time.perf_counter() - started) * (self.total_blocks or 1) / (6 * self.period)
                 if whole > RANK_WHOLE_TRACE_SECONDS:
-                    self.notes.append(
+                    self._arithmetic_from_now(
                         f"one rank's block probes did not check out ({exc}); a trace of all {self.total_blocks} blocks "
                         f"of a rank would take about {whole:.0f} s, so per-rank figures are memory.sharding's arithmetic "
                         "on the one-device step (trace_all_blocks=true traces the whole rank)")
-                    self.rank_world = None
-                    self.cache.clear()
                     return None
                 self.notes.append(f"block extrapolation did not check out ({exc}); traced all {self.total_blocks} blocks")
                 self.blocks = None
@@ -331,16 +334,20 @@ class _Estimator:
         except ValueDependentStepError:
             raise  # trace() retries at the worst case
         except Exception as exc:  # noqa: BLE001 - any failure of the sharded trace falls back to the arithmetic
-            self.notes.append(f"one rank could not be traced under a fake process group ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); per-rank figures are "
-                              "memory.sharding's arithmetic on the one-device step")
-            self.rank_world = None
-            self.cache.clear()
+            self._arithmetic_from_now(
+                f"one rank could not be traced under a fake process group ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); per-rank figures are memory.sharding's "
+                "arithmetic on the one-device step")
             return None
         finally:
             for module in built:  # the sandboxes of the modules built here (CRSP)
-                if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
-                    module.teardown("validate")
+                _stop_sandbox(module)
+
+
+def _stop_sandbox(module: Any) -> None:
+    """Stop the sandbox workers ``build_fake_run`` started for ``module`` (CRSP), if any."""
+    if getattr(module, "sandbox", None) is not None and callable(getattr(module, "teardown", None)):
+        module.teardown("validate")
 
 
 def _accumulates(cfg: Any) -> bool:

@@ -40,8 +40,9 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return found
 
 
-def _storage_cost(st: torch.UntypedStorage) -> int:
-    n = st.nbytes()
+def _storage_cost(st: torch.UntypedStorage, nbytes: int | None = None) -> int:
+    """What ``st`` counts for, at its size or (``nbytes``) at a size it is about to take."""
+    n = st.nbytes() if nbytes is None else nbytes
     if st.device.type == "cuda":
         return -(-n // _CUDA_BLOCK_BYTES) * _CUDA_BLOCK_BYTES
     return n
@@ -236,7 +237,7 @@ class MemoryBudget(TorchDispatchMode):
         st = tensor.untyped_storage()
         if not self._counts(st):
             return
-        cost = -(-nbytes // _CUDA_BLOCK_BYTES) * _CUDA_BLOCK_BYTES if st.device.type == "cuda" else nbytes
+        cost = _storage_cost(st, nbytes)
         with self._lock:
             key = storage_key(st)
             entry = self._live.get(key)
