@@ -98,7 +98,8 @@ def misordered(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 def plan_budget(base: list[str], budget: str, count: int, steps: int, dry_run: bool, workdir: Path) -> dict[str, Any]:
     from lit_memopt import cli
-    from lit_memopt.cli_plan import _describe, plan_overrides, plan_recipe
+    from lit_memopt.cli_plan import plan_overrides, plan_recipe
+    from lit_memopt.cli_plan_output import _describe
     from lit_memopt.memory.search import parse_memory_size
 
     started = time.perf_counter()

@@ -94,14 +94,20 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
     register_recipes()
+    # Inside a running `lit-memopt` command (plan composes each plan it checks) Hydra's global state is the run's:
+    # kept aside and put back, so the run's own Hydra outlives this compose.
+    previous = get_gh_backup() if GlobalHydra.instance().is_initialized() else None
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             return compose(config_name="config", overrides=list(overrides))
     finally:
         GlobalHydra.instance().clear()
+        if previous is not None:
+            restore_gh_from_backup(previous)
 
 
 # ----------------------------------------------------------------------------- help
@@ -441,7 +447,7 @@ def _make_task(command: str, relaunch_argv: list[str]) -> Callable[[Any], Any]:
 
                 return run_estimate_command(cfg)
             if command == "plan":
-                from lit_memopt.cli_plan import run_plan_command
+                from lit_memopt.cli_plan_output import run_plan_command
 
                 code = run_plan_command(cfg, [a for a in relaunch_argv[2:] if not a.startswith("-")])
                 if code:

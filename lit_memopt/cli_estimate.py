@@ -163,6 +163,9 @@ def _options(cfg: Any) -> dict[str, Any]:
     rank = cfg.get("trace_rank")
     if rank is not None and not isinstance(rank, bool):
         raise ValueError(f"trace_rank must be true or false, got {rank!r}")
+    search = cfg.get("search_micro_batch")
+    if search is not None and not isinstance(search, bool):
+        raise ValueError(f"search_micro_batch must be true or false, got {search!r}")
     cpu_offload = strategy_cpu_offload(cfg, per_rank)
     if rank and (per_rank is None or per_rank[0] != "fsdp2" or cpu_offload):
         raise ValueError("trace_rank=true traces one FSDP2 rank with its state on the device: use it with trainer=fsdp2 "
@@ -177,6 +180,7 @@ def _options(cfg: Any) -> dict[str, Any]:
         "per_rank": per_rank,
         "cpu_offload": cpu_offload,
         "trace_rank": bool(rank),
+        "search_micro_batch": search is not False,
     }
 
 
@@ -199,6 +203,8 @@ class _Estimator:
         # trace_rank (FSDP2 with the state on the device): each estimate traces rank 0 under a fake process group
         # (memory.fake_ranks), FSDP2's own allocations and the rank's allocator; else memory.sharding's arithmetic.
         self.rank_world = per_rank[1] if trace_rank and per_rank is not None and per_rank[0] == "fsdp2" else None
+        # A rank whose block probes do not check out is traced whole only where that is predicted this quick.
+        self.rank_whole_seconds = RANK_WHOLE_TRACE_SECONDS
         # One micro-batch of several (trainer.accumulate_grad_batches > 1): gradients are live from the start.
         self.accumulating = _accumulates(cfg)
         self.optimizer_foreach = True  # the peak reported is a CUDA device's: foreach is its default
@@ -322,7 +328,7 @@ class _Estimator:
             except LinearityError as exc:
                 # The probes traced at least 1, 2 and 3 groups of `period` blocks: the whole rank takes about this.
                 whole = (time.perf_counter() - started) * (self.total_blocks or 1) / (6 * self.period)
-                if whole > RANK_WHOLE_TRACE_SECONDS:
+                if whole > self.rank_whole_seconds:
                     self._arithmetic_from_now(
                         f"one rank's block probes did not check out ({exc}); a trace of all {self.total_blocks} blocks "
                         f"of a rank would take about {whole:.0f} s, so per-rank figures are memory.sharding's arithmetic "
@@ -362,12 +368,19 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def estimate_recipe(cfg: Any) -> EstimateReport:
-    """Everything ``lit-memopt estimate`` prints, without printing it."""
+def estimate_recipe(cfg: Any, *, rank_whole_seconds: float | None = None) -> EstimateReport:
+    """Everything ``lit-memopt estimate`` prints, without printing it.
+
+    Args:
+        rank_whole_seconds: with ``trace_rank``, trace a rank whose block probes do not check out whole only where
+            that is predicted to take at most this long (default :data:`RANK_WHOLE_TRACE_SECONDS`).
+    """
     opts = _options(cfg)
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     estimator = _Estimator(cfg, opts["check"], opts["per_rank"], opts["cpu_offload"], opts["trace_all_blocks"],
                            opts["trace_rank"])
+    if rank_whole_seconds is not None:
+        estimator.rank_whole_seconds = rank_whole_seconds
     if opts["gpu_bytes"] is not None:
         # The fit is judged on the usable bytes: the allocator model releases its cache there, as a real one does at
         # the device's size (per rank: the whole model's trace on that device, judged again per rank in
@@ -377,7 +390,7 @@ def estimate_recipe(cfg: Any) -> EstimateReport:
         batch = resize_batch(_recipe_batch(estimator.run.datamodule), opts["batch_size"], opts["seq_len"])
         estimate = estimator.estimate(batch, None)
         fit = None
-        if opts["gpu_bytes"] is not None:
+        if opts["gpu_bytes"] is not None and opts["search_micro_batch"]:
             if estimate.batch_size:
                 estimator.cache[estimate.batch_size] = estimate
 

@@ -138,3 +138,24 @@ def test_a_multi_process_run_ends_its_process_group(tmp_path: Path) -> None:
             dist.destroy_process_group()
     _close_process_group(trainer)  # a one-process run has no group: nothing to wait for
     assert barriers == ["lit-memopt.end"]
+
+
+def test_compose_config_inside_a_running_command_leaves_its_hydra_in_place(tmp_path) -> None:  # noqa: ANN001
+    """``plan`` composes the config of each plan it checks while its own Hydra run is live: the run's global Hydra
+    state must outlive that compose (it used to be cleared)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lit_memopt.cli import compose_config
+
+    (tmp_path / "outer.yaml").write_text("outer: 1\n", encoding="utf-8")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        before = GlobalHydra.instance().hydra
+        assert compose_config(["recipe=sft"]).recipe_name == "sft"
+        assert GlobalHydra.instance().is_initialized()
+        # the outer run's config source, not the pack's: its own config still composes
+        from hydra import compose
+
+        assert compose(config_name="outer").outer == 1 and GlobalHydra.instance().hydra is not None
+        assert type(GlobalHydra.instance().hydra) is type(before)
+    assert not GlobalHydra.instance().is_initialized()

@@ -350,3 +350,18 @@ def test_a_reference_copy_of_fake_weights_warns_nothing() -> None:
         warnings.simplefilter("always")
         estimate_recipe(compose_config(["recipe=grpo", "check_linearity=false"]))
     assert not [w for w in caught if "data pointer of FakeTensor" in str(w.message)]
+
+
+def test_search_micro_batch_false_estimates_the_step_as_configured_only() -> None:
+    """``plan`` checks a plan's rank with it: with gpu_memory= the search would trace one whole rank per size."""
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_estimate import estimate_recipe
+
+    base = ["recipe=sft", "trainer.accelerator=cpu", "model.arch.num_hidden_layers=2", "gpu_memory=1GiB"]
+    searched = estimate_recipe(compose_config(base))
+    configured = estimate_recipe(compose_config([*base, "search_micro_batch=false"]))
+    assert searched.fit is not None and searched.fit.micro_batch_size > 1
+    assert configured.fit is None
+    assert configured.estimate.reserved_peak_bytes == searched.estimate.reserved_peak_bytes
+    with pytest.raises(ValueError, match="search_micro_batch must be true or false"):
+        estimate_recipe(compose_config([*base, "search_micro_batch=sometimes"]))

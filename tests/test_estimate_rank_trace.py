@@ -130,22 +130,64 @@ def test_a_ranks_probes_move_up_to_where_the_deep_step_peaks() -> None:
     assert abs(probed.reserved_peak_bytes - whole.reserved_peak_bytes) <= 0.001 * whole.reserved_peak_bytes
 
 
+def _plan(*overrides: str):
+    """``plan`` on the tiny model over 2 ranks, as the command runs it (its argv given: FSDP2 plans are confirmed)."""
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_plan import plan_recipe
+
+    args = [*BASE, "trainer=fsdp2", "trainer.devices=2", "plan.device=a100", *overrides]
+    cfg = compose_config(args)
+    return cfg, args, plan_recipe(cfg, args)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_an_fsdp2_plan_names_the_estimate_that_traces_its_rank(capsys, tmp_path) -> None:  # noqa: ANN001
+def test_an_fsdp2_plan_is_one_rank_traced_and_its_estimate_command_reads_the_same(capsys, tmp_path) -> None:  # noqa: ANN001
+    """The round trip through the estimate the plan prints: the same reserved bytes (one function, one config)."""
+    import io
     import shlex
 
-    from lit_memopt.cli import main
+    from lit_memopt.cli import compose_config, main
+    from lit_memopt.cli_estimate import estimate_recipe
+    from lit_memopt.cli_plan_output import render_plan
 
-    args = [*BASE, "trainer=fsdp2", "trainer.devices=2", "gpu_memory=1GiB", "plan.device=a100"]
-    assert main(["plan", *args, f"hydra.run.dir={tmp_path}"]) == 0
-    out = capsys.readouterr().out
-    hint = next(line for line in out.splitlines() if line.startswith("Plan 1's per-rank figure is arithmetic"))
-    command = shlex.split(hint.split("its own allocator: ", 1)[1])
-    assert command[:2] == ["lit-memopt", "estimate"] and command[-1] == "trace_rank=true"
+    cfg, args, result = _plan("gpu_memory=1GiB")
+    best = result.best
+    assert best.rank_traced and result.rank_traces == 1 and "traced as rank 0 of 2" in best.estimate.method
+    out = io.StringIO()
+    render_plan(result, cfg, args, out)
+    text = out.getvalue()
+    assert "traced rank" in text.splitlines()[4]  # plan 1's row says where its peak comes from
+    hint = next(line for line in text.splitlines() if line.startswith("Plan 1's per-rank figure is one rank traced"))
+    command = shlex.split(hint.split(", as ", 1)[1].removesuffix(" prints it."))
+    assert command[:2] == ["lit-memopt", "estimate"] and command[-2:] == ["trace_rank=true", "search_micro_batch=false"]
     assert not any(a.startswith("plan.") for a in command), command  # the plan's own keys are left out
+    estimate = estimate_recipe(compose_config(command[2:])).estimate
+    assert estimate.reserved_peak_bytes == best.peak_bytes
+    # and the command runs as printed
     assert main([*command[1:], f"hydra.run.dir={tmp_path}"]) == 0
     assert "traced as rank 0 of 2 on a fake process group" in capsys.readouterr().out.replace("\n", " ")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_plan_that_fits_by_the_arithmetic_and_not_as_a_rank_is_replaced(monkeypatch) -> None:  # noqa: ANN001
+    """57.5 MiB (51.75 usable): the recipe's rank reads 51.62 MiB by the arithmetic and 52.00 traced. The plan traces
+    the rank, finds it does not fit, and answers with the fastest plan whose own rank fits; with no time left for
+    ranks it keeps the arithmetic, and says so."""
+    from lit_memopt import cli_plan_rank
+
+    _, _, result = _plan("gpu_memory=57.5MiB")
+    recipe = result.shape.recipe
+    assert result.fastest_not_fitting.candidate == recipe and result.fastest_not_fitting.rank_traced
+    assert result.fastest_not_fitting.peak_bytes > result.usable_bytes
+    best = result.best
+    assert best.candidate != recipe and best.rank_traced and best.peak_bytes <= result.usable_bytes
+    assert not best.candidate.offload and result.rank_traces == 2
+    monkeypatch.setattr(cli_plan_rank, "PLAN_RANK_SECONDS", 0.0)
+    _, _, arithmetic = _plan("gpu_memory=57.5MiB")
+    assert arithmetic.best.candidate == recipe and not arithmetic.best.rank_traced and arithmetic.rank_traces == 0
+    assert any("time for tracing ranks was spent" in note for note in arithmetic.notes), arithmetic.notes
 
 
 @pytest.mark.timeout(300)

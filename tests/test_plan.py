@@ -369,3 +369,85 @@ def test_a_checkpointed_recipe_that_does_not_fit_is_planned_as_if_it_did_not_che
             assert saved < 0 and cost < 0, (saved, cost)  # taking it off costs memory and saves time
             assert checkpointed.best.relative_time < 1.0  # faster than the checkpointed step as given
     assert took_off
+
+
+# ---------------------------------------------------------------------------- FSDP2 plans confirmed as one rank
+FSDP2_SHAPE = RecipeShape(rows=16, accumulation=1, checkpointing=False, strategy="fsdp2", world_size=8, nodes=1,
+                          blocks=8, tokens_per_row=128, dtype_bytes=2)
+
+
+def _rank_trace(extra: int, asked: list):
+    """A stand-in for one rank's own trace: the sharding arithmetic on the synthetic step, ``extra`` bytes more
+    reserved (a rank that keeps a cache the one-device trace released)."""
+    from lit_memopt.memory.sharding import per_rank_estimate
+
+    def confirm(c: Candidate) -> PeakEstimate:
+        asked.append(c)
+        est = per_rank_estimate(_estimate(c.checkpointing, c.micro_batch, c.accumulation > 1), "fsdp2", 8)
+        return dataclasses.replace(est, reserved_peak_bytes=est.reserved_peak_bytes + extra)
+
+    return confirm
+
+
+def _fsdp2_plan(memory: int, confirm=None):
+    return search_plans(_estimate, FSDP2_SHAPE, memory, device=DEVICES["h100"], margin=0.1, confirm_rank=confirm)
+
+
+def test_the_fastest_fsdp2_plan_is_confirmed_by_its_own_rank() -> None:
+    asked: list = []
+    arithmetic = _fsdp2_plan(80 * 2**30)
+    result = _fsdp2_plan(80 * 2**30, _rank_trace(300 * MIB, asked))
+    assert asked == [FSDP2_SHAPE.recipe] and result.rank_traces == 1
+    assert result.best.candidate == FSDP2_SHAPE.recipe and result.best.rank_traced and result.recipe.rank_traced
+    assert result.best.peak_bytes == arithmetic.best.peak_bytes + 300 * MIB
+    # the other plans keep their arithmetic (CPU offload: no rank is traced with its state in host memory)
+    assert [p.rank_traced for p in result.plans[1:]] == [False] * (len(result.plans) - 1)
+
+
+def test_a_plan_whose_rank_does_not_fit_opens_the_plans_the_search_had_pruned() -> None:
+    """The recipe fits by the arithmetic, so the search traced nothing else; its rank does not: the answer is the
+    fastest plan that fits as a rank (a smaller micro-batch or checkpointing), not FSDP2's CPU offload."""
+    extra = 300 * MIB
+    arithmetic = _fsdp2_plan(80 * 2**30).best.peak_bytes
+    memory = int((arithmetic + extra // 2) / 0.9) + 1
+    assert _fsdp2_plan(memory).best.candidate == FSDP2_SHAPE.recipe  # by the arithmetic alone
+    asked: list = []
+    result = _fsdp2_plan(memory, _rank_trace(extra, asked))
+    assert asked[0] == FSDP2_SHAPE.recipe and len(asked) == result.rank_traces >= 2
+    best = result.best
+    assert best.rank_traced and best.peak_bytes <= result.usable_bytes
+    assert best.candidate.strategy == "fsdp2" and not best.candidate.offload and best.candidate != FSDP2_SHAPE.recipe
+    assert result.fastest_not_fitting.candidate == FSDP2_SHAPE.recipe and result.fastest_not_fitting.rank_traced
+    assert result.untried is None  # "the recipe fits as given" no longer holds
+    # every rank here reads `extra` more than the arithmetic: the answer is the fastest FSDP2 plan the arithmetic
+    # fits in `extra` less
+    shifted = _fsdp2_plan(int(memory - extra / 0.9))
+    on_device = [p.candidate for p in shifted.plans if p.candidate.strategy == "fsdp2" and not p.candidate.offload]
+    assert on_device and best.candidate == on_device[0]
+
+
+def test_a_rank_not_traced_leaves_the_arithmetic() -> None:
+    asked: list = []
+
+    def declined(c: Candidate):
+        asked.append(c)
+
+    arithmetic = _fsdp2_plan(80 * 2**30)
+    result = _fsdp2_plan(80 * 2**30, declined)
+    assert asked == [FSDP2_SHAPE.recipe] and result.rank_traces == 0
+    assert [(p.candidate, p.peak_bytes, p.rank_traced) for p in result.plans] == [
+        (p.candidate, p.peak_bytes, False) for p in arithmetic.plans]
+
+
+def test_no_rank_is_traced_on_one_device_nor_for_ddp_or_offload() -> None:
+    asked: list = []
+    assert _plan(int(2.6 * 2**30)).best is not None  # one device: no confirm_rank asked
+    result = search_plans(_estimate, SHAPE, int(2.6 * 2**30), device=DEVICES["h100"], margin=0.1,
+                          confirm_rank=_rank_trace(0, asked))
+    assert asked == [] and result.rank_traces == 0
+    ddp = dataclasses.replace(FSDP2_SHAPE, strategy="ddp")
+    result = search_plans(_estimate, ddp, 80 * 2**30, device=DEVICES["h100"], margin=0.1,
+                          confirm_rank=_rank_trace(0, asked))
+    # a DDP recipe's plans are confirmed only where the best is FSDP2 with its state on the device
+    assert all(c.strategy == "fsdp2" and not c.offload for c in asked)
+    assert bool(asked) == (result.best.candidate.strategy == "fsdp2")

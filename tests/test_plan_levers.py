@@ -14,12 +14,11 @@ from lit_memopt import cli
 from lit_memopt.cli_plan import (
     LORA_OVERRIDE,
     _plan_section,
-    _write_out,
-    experiment_command,
     maths_overrides,
     plan_overrides,
     plan_recipe,
 )
+from lit_memopt.cli_plan_output import _write_out, experiment_command
 
 FIT = ["trainer.max_steps=3", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
        "trainer.enable_checkpointing=false", "trainer.val_check_interval=null", "validate_first=false"]

@@ -137,7 +137,7 @@ def test_a_growing_cache_fits_where_its_allocator_releases_it(capsys: pytest.Cap
     fits as given: replayed on that device, the allocator releases its cache when it is full and reserves 590 MiB,
     and ``estimate`` of the same step on that device reads the same."""
     from lit_memopt.cli_estimate import RecipeEstimator, recipe_batch
-    from lit_memopt.cli_plan import render_plan
+    from lit_memopt.cli_plan_output import render_plan
     from lit_memopt.memory.search import usable_bytes
 
     overrides = ["recipe=intuitor", "module.max_new_tokens=128", "gpu_memory=656MiB"]
