@@ -94,6 +94,8 @@ class EstimateReport:
     notes: list[str] = field(default_factory=list)
     per_rank: tuple[str, int] | None = None
     cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
+    # trace_rank=true that fell back to the per-rank arithmetic: why (also among the notes); None: traced, or not asked
+    rank_fallback: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -205,6 +207,7 @@ class _Estimator:
         self.rank_world = per_rank[1] if trace_rank and per_rank is not None and per_rank[0] == "fsdp2" else None
         # A rank whose block probes do not check out is traced whole only where that is predicted this quick.
         self.rank_whole_seconds = RANK_WHOLE_TRACE_SECONDS
+        self.rank_fallback: str | None = None  # why the rank was not traced after all (then the arithmetic's figures)
         # One micro-batch of several (trainer.accumulate_grad_batches > 1): gradients are live from the start.
         self.accumulating = _accumulates(cfg)
         self.optimizer_foreach = True  # the peak reported is a CUDA device's: foreach is its default
@@ -253,6 +256,7 @@ class _Estimator:
         """A rank is not traced after all: per-rank figures are memory.sharding's arithmetic from here on (said in
         ``note``), and the traced ranks cached so far are dropped."""
         self.notes.append(note)
+        self.rank_fallback = note
         self.rank_world = None
         self.cache.clear()
 
@@ -430,6 +434,7 @@ def estimate_recipe(cfg: Any, *, rank_whole_seconds: float | None = None) -> Est
         notes=estimator.notes,
         per_rank=opts["per_rank"],
         cpu_offload=opts["cpu_offload"],
+        rank_fallback=estimator.rank_fallback,
     )
 
 

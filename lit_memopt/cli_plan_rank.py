@@ -63,7 +63,8 @@ class RankConfirmer:
                  seconds: float | None = None) -> None:
         self.argv = list(argv)
         self.overrides = overrides
-        self.left = PLAN_RANK_SECONDS if seconds is None else seconds
+        self.budget = PLAN_RANK_SECONDS if seconds is None else seconds
+        self.left = self.budget
         self.notes: list[str] = []
 
     def command(self, c: Candidate) -> list[str]:
@@ -88,11 +89,10 @@ class RankConfirmer:
             return None
         finally:
             self.left -= time.perf_counter() - started
-        if report.per_rank is None or "traced as rank" not in report.estimate.method:
-            # estimate fell back to the arithmetic; its note says why (probes that do not stitch, a whole rank too slow)
-            why = [n for n in report.notes if "rank" in n] or ["no reason given"]
-            self.notes += [f"an FSDP2 plan's rank was not traced here (a plan spends at most {PLAN_RANK_SECONDS:.0f} s "
-                           f"on ranks): {n}" for n in why]
+        if report.rank_fallback is not None:
+            # estimate fell back to the arithmetic (probes that do not stitch and a whole rank too slow, say)
+            self.notes.append(f"an FSDP2 plan's rank was not traced here (a plan spends at most {self.budget:.0f} s on "
+                              f"ranks): {report.rank_fallback}")
             return None
         return report.estimate
 

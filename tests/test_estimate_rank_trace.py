@@ -203,7 +203,28 @@ def test_a_rank_whose_probes_do_not_stitch_is_traced_whole_only_where_that_is_qu
     report = cli_estimate.estimate_recipe(compose_config(args))
     assert "traced as rank 0 of 2" in report.estimate.method and "full trace" in report.estimate.method
     assert any("traced all 4 blocks" in note for note in report.notes), report.notes
+    assert report.rank_fallback is None
     monkeypatch.setattr(cli_estimate, "RANK_WHOLE_TRACE_SECONDS", 0.0)
     report = cli_estimate.estimate_recipe(compose_config(args))
     assert "traced as rank" not in report.estimate.method and "per rank of 2 (fsdp2)" in report.estimate.method
-    assert any("of a rank would take about" in note and "trace_all_blocks=true" in note for note in report.notes)
+    assert "of a rank would take about" in report.rank_fallback and "trace_all_blocks=true" in report.rank_fallback
+    assert report.rank_fallback in report.notes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_plans_rank_that_would_take_too_long_keeps_the_arithmetic_with_a_note(monkeypatch) -> None:  # noqa: ANN001
+    """Tiny GRADE over 2 ranks: its rank's probes do not stitch, so the rank is traced whole where the plan's time for
+    ranks allows it, else the plan keeps the arithmetic and says why."""
+    from lit_memopt import cli_plan_rank
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_plan import plan_recipe
+
+    args = ["recipe=grade", "module.max_new_tokens=4", "trainer=fsdp2", "trainer.devices=2", "gpu_memory=1GiB",
+            "plan.device=a100"]
+    traced = plan_recipe(compose_config(args), args)
+    assert traced.best.rank_traced and "full trace" in traced.best.estimate.method and not traced.notes
+    monkeypatch.setattr(cli_plan_rank, "PLAN_RANK_SECONDS", 1e-3)
+    kept = plan_recipe(compose_config(args), args)
+    assert kept.best.candidate == traced.best.candidate and not kept.best.rank_traced and kept.rank_traces == 0
+    assert len(kept.notes) == 1 and "of a rank would take about" in kept.notes[0], kept.notes
