@@ -61,12 +61,12 @@ CHECKPOINT_PERIODS = (2,)
 ACTIVATION_OFFLOAD_KEY = "callbacks.activation_offload"
 ACTIVATION_OFFLOAD = {"_target_": "lit_memopt.callbacks.ActivationCheckpointing", "recompute": False, "offload_to_cpu": True}
 # Command-line keys that configure the plan itself, not the run it plans.
-_PLAN_ONLY = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=", "trace_all_blocks=", "trace_rank=",
+PLAN_ONLY_KEYS = ("gpu_memory=", "safety_margin=", "plan.", "+plan.", "check_linearity=", "trace_all_blocks=", "trace_rank=",
               "search_micro_batch=")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
-def _plan_section(cfg: Any) -> dict[str, Any]:
+def plan_section(cfg: Any) -> dict[str, Any]:
     section = cfg.get("plan") or {}
     allow = section.get("allow") or []
     if isinstance(allow, str):
@@ -299,7 +299,7 @@ def plan_recipe(cfg: Any, argv: Sequence[str] | None = None) -> PlanResult:
         option = "trace_all_blocks" if opts["trace_all_blocks"] else "trace_rank"
         raise ValueError(f"{option} is an estimate option: plan shares one-device 1- and 2-block traces across its "
                          f"candidates. Check the plan it prints with `lit-memopt estimate <its overrides> {option}=true`")
-    section = _plan_section(cfg)
+    section = plan_section(cfg)
     device = section["device"]
     cpu_target = device.name.startswith("CPU")
     from hydra.utils import instantiate

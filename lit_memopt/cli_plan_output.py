@@ -12,11 +12,11 @@ from typing import Any
 
 from lit_memopt.cli_estimate import cpu_seconds
 from lit_memopt.cli_plan import (
-    _PLAN_ONLY,
     MATHS_EFFECTS,
-    _plan_section,
+    PLAN_ONLY_KEYS,
     plan_overrides,
     plan_recipe,
+    plan_section,
     sequence_key,
 )
 from lit_memopt.cli_plan_rank import rank_estimate_args, with_overrides
@@ -34,7 +34,7 @@ NEAR_FULL = 0.02
 def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Prediction) -> str:
     """``lit-memopt fit ...``: the user's overrides (less the plan's own and a replaced trainer) and the plan's."""
     extra = [f"memory_budget={format_bytes(result.memory_bytes).replace(' ', '')}"] if result.device.name.startswith("CPU") else []
-    return _command("fit", [a for a in argv if not a.startswith(_PLAN_ONLY)], [*plan_overrides(cfg, result, plan), *extra])
+    return _command("fit", [a for a in argv if not a.startswith(PLAN_ONLY_KEYS)], [*plan_overrides(cfg, result, plan), *extra])
 
 
 def _command(verb: str, argv: Sequence[str], overrides: Sequence[str]) -> str:
@@ -164,7 +164,7 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
             print(f"The optimizer step alone holds {format_bytes(result.floor_bytes)} per rank{offloaded}, which no "
                   "micro-batch or checkpointing changes; more devices "
                   "with trainer=fsdp2 trainer.devices=N shard it.", file=out)
-        if not result.closest.candidate.maths and not _plan_section(cfg)["allow"]:
+        if not result.closest.candidate.maths and not plan_section(cfg)["allow"]:
             print("Levers that change the maths may fit: plan.allow=[lora,shorter_seq] searches them.", file=out)
 
 
@@ -203,7 +203,7 @@ def experiment_command(argv: Sequence[str], path: str) -> str:
     from pathlib import Path
 
     file = Path(path).resolve()
-    kept = [a for a in argv if not a.startswith(_PLAN_ONLY)]
+    kept = [a for a in argv if not a.startswith(PLAN_ONLY_KEYS)]
     return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in kept), "--config-dir", shlex.quote(str(file.parent.parent)),
                      shlex.quote(f"+{file.parent.name}={file.stem}")])
 
@@ -243,7 +243,7 @@ def run_plan_command(cfg: Any, argv: Sequence[str] = ()) -> int:
     started, cpu = time.perf_counter(), cpu_seconds()
     result = plan_recipe(cfg, argv)
     render_plan(result, cfg, argv)
-    out = _plan_section(cfg)["out"]
+    out = plan_section(cfg)["out"]
     if out:
         _write_out(str(out), cfg, argv, result)
     # timings on stderr: stdout stays the same from run to run

@@ -13,10 +13,10 @@ import pytest
 from lit_memopt import cli
 from lit_memopt.cli_plan import (
     LORA_OVERRIDE,
-    _plan_section,
     maths_overrides,
     plan_overrides,
     plan_recipe,
+    plan_section,
 )
 from lit_memopt.cli_plan_output import _write_out, experiment_command
 
@@ -90,12 +90,12 @@ def test_shorter_seq_halves_the_recipes_own_length() -> None:
 ])
 def test_bad_allow_values_are_one_line(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _plan_section(cli.compose_config(["recipe=sft", f"plan.allow={value}"]))
+        plan_section(cli.compose_config(["recipe=sft", f"plan.allow={value}"]))
 
 
 def test_plan_out_must_be_yaml() -> None:
     with pytest.raises(ValueError, match="give a .yaml file"):
-        _plan_section(cli.compose_config(["recipe=sft", "plan.out=plan.txt"]))
+        plan_section(cli.compose_config(["recipe=sft", "plan.out=plan.txt"]))
 
 
 @pytest.mark.parametrize(("value", "expected"), [("false", False), ("true", True), ("1", True), ("2", 2), ("0", False)])
