@@ -8,9 +8,9 @@ traced rank, 11.22 by the arithmetic), and GRADE's rank reads less (23.23 agains
 FSDP2 plan is checked as ``lit-memopt estimate <the plan's overrides> trace_rank=true`` would check it (the same
 composed config, the same function), and the plan prints that rank's figure.
 
-Within a time budget: a rank whose block probes stitch takes seconds (the 4B SFT rank above: 7.6 s); one that must
-be traced whole (a generation recipe under FSDP2 runs its rollout as one call of the root module, which the stitch
-cannot split: GRADE 4B, 43 s) is left to the command the plan prints, with a note saying why.
+Within a time budget: a rank whose block probes stitch takes seconds (the 4B SFT rank above: 7.6 s; GRPO 1.7B's:
+about 20 s); one that must be traced whole (GRADE's soft-token generation runs inside one call of its FSDP2 root,
+which the stitch cannot split: GRADE 4B, 43 s) is left to the command the plan prints, with a note saying why.
 """
 
 from __future__ import annotations

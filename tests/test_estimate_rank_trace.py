@@ -228,3 +228,34 @@ def test_a_plans_rank_that_would_take_too_long_keeps_the_arithmetic_with_a_note(
     kept = plan_recipe(compose_config(args), args)
     assert kept.best.candidate == traced.best.candidate and not kept.best.rank_traced and kept.rank_traces == 0
     assert len(kept.notes) == 1 and "of a rank would take about" in kept.notes[0], kept.notes
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_ranks_log_keeps_what_a_stretched_rollouts_probes_leave_behind() -> None:
+    """FSDP2 gathers its root on the first model call and keeps it gathered. A rollout long enough to be stretched
+    (memory.stretch) makes that first call in its probes, whose log entries are dropped: the gather must stay in the
+    log, or the log's phase peaks fall short of the tracker's by the root's size (Qwen3-1.7B GRPO over 8 ranks: 593.5
+    MiB, and its rank probes refused to stitch) and its reserved figure misses it (9.25 GiB replayed, 9.83 now)."""
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_estimate import RecipeEstimator, recipe_batch
+    from lit_memopt.cli_fake_run import build_fake_run
+    from lit_memopt.memory.fake_ranks import estimate_rank
+    from lit_memopt.memory.replay import SharedRegions
+    from lit_memopt.memory.stitch import phase_peaks
+
+    cfg = compose_config(["recipe=grpo", "module.max_new_tokens=16", "trainer=fsdp2", "trainer.devices=2"])
+    estimator = RecipeEstimator(cfg, True, ("fsdp2", 2), trace_rank=True)
+    assert estimator.worst_case_filler is not None  # (GRPO generates until end-of-sequence: its worst case is traced)
+
+    def build(blocks, mesh):  # noqa: ANN001, ANN202
+        return build_fake_run(cfg, blocks, estimator.checkpointing_callbacks, mesh=mesh).module
+
+    regions = SharedRegions()
+    est = estimate_rank(build, recipe_batch(estimator.run.datamodule), 2, keep_allocation_log=True,
+                        worst_case_filler=estimator.worst_case_filler, shared_regions=regions)
+    estimator.close()
+    # the rollout's probes ran (and, FSDP2 having resized a storage in place, were not used: it was traced in full)
+    assert any("(stretched)" in r for r in regions.refused), regions.refused
+    logged = phase_peaks(est.allocation_log)
+    assert {p: logged[p] for p in est.phase_peaks} == est.phase_peaks

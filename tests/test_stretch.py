@@ -152,3 +152,22 @@ def test_a_sliding_window_cache_is_never_stretched() -> None:
     assert _sliding_window(model(Qwen2Config(**small, use_sliding_window=True, sliding_window=4, max_window_layers=0)))
     assert _sliding_window(model(Qwen3Config(**small, layer_types=["sliding_attention", "full_attention"])))
     assert not _sliding_window(torch.nn.Linear(2, 2))
+
+
+def test_what_a_measured_stretch_leaves_behind_stays_in_the_log() -> None:
+    from lit_memopt.memory.tracker import StepTracker, net_events, snapshot_total
+
+    assert net_events([(1, "a", 8), (1, "b", 4), (-1, "a", 8), (-1, "old", 2), (1, "a", 16)]) == [
+        (1, "b", 4), (-1, "old", 2), (1, "a", 16)]
+    tracker = StepTracker(record_allocations=True)
+    with tracker:
+        before = torch.ones(1000)
+        saved = tracker.save_counts()
+        kept = torch.ones(2000)  # made in the measured stretch, still live after it
+        scratch = torch.ones(3000)
+        del scratch, before  # freed in it: one made in it, one made before it
+        tracker.restore_counts(saved)
+        after = torch.ones(10)
+        live = snapshot_total(tracker.current_snapshot)
+        logged = sum(sign * nbytes for sign, _, nbytes in tracker.allocation_log)
+    assert logged == live == kept.untyped_storage().nbytes() + after.untyped_storage().nbytes()

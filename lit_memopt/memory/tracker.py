@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from lit_memopt._compat.mem_tracker import MemRefType, MemTrackerBase, ModState, UpdateType, wait_tensor_op
 from lit_memopt._compat.torch import FakeTensor, active_fake_mode, current_fake_mode, fake_dispatch, tree_leaves
 
-__all__ = ["StepTracker", "ModuleMemory", "snapshot_total", "snapshot_categories", "module_rows"]
+__all__ = ["StepTracker", "ModuleMemory", "net_events", "snapshot_total", "snapshot_categories", "module_rows"]
 
 _DEVICE_QUERY = torch.ops.prim.device.default
 _WAIT_TENSOR = wait_tensor_op()
@@ -65,6 +65,22 @@ def snapshot_categories(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
             if name != "Total":
                 out[name] = out.get(name, 0) + int(value)
     return out
+
+
+def net_events(events: list[tuple[int, Any, int]]) -> list[tuple[int, Any, int]]:
+    """What a stretch of an allocation log leaves behind, in order: its allocations not freed within it and its frees
+    of storages allocated before it (an allocation and its free within the stretch cancel)."""
+    kept: dict[int, tuple[int, Any, int]] = {}
+    opened: dict[Any, int] = {}
+    for i, (sign, key, nbytes) in enumerate(events):
+        if sign > 0:
+            opened[key] = i
+            kept[i] = (sign, key, nbytes)
+        elif key in opened:
+            del kept[opened.pop(key)]
+        else:
+            kept[i] = (sign, key, nbytes)
+    return [kept[i] for i in sorted(kept)]
 
 
 class StepTracker(MemTrackerBase):
@@ -243,8 +259,10 @@ class StepTracker(MemTrackerBase):
                 list(self.log_phases))
 
     def restore_counts(self, saved: tuple) -> None:
-        """Put back what :meth:`save_counts` saved. Every storage made since must have been freed (its frees leave the
-        live bytes as they were; its entries in the allocation log are dropped)."""
+        """Put back the peaks :meth:`save_counts` saved, and its allocation log: the events since are dropped, but
+        for what they leave behind (a storage made since and still live, a free of one made before), which the live
+        bytes still hold and so the log keeps, in order, from here (FSDP2 gathers its root on a first call and keeps
+        it gathered: a loop measured on its first call leaves that behind)."""
         snapshot, peaks, self.peak_phase, phase_peaks, breakdowns, log_length, self._grew, self._last_phase, marks = saved
         self.peak_snapshot.clear()
         self.peak_snapshot.update(snapshot)
@@ -252,8 +270,14 @@ class StepTracker(MemTrackerBase):
         self.peak_bytes.update(peaks)
         self.phase_peaks, self.phase_breakdowns = phase_peaks, breakdowns
         if log_length is not None:
+            left = net_events(self.allocation_log[log_length:])
             del self.allocation_log[log_length:]
             self.log_phases = list(marks)  # (a mark made since at the same place, where a probe started, is not kept)
+            if left:
+                phase = self.current_phase()
+                if not self.log_phases or self.log_phases[-1][1] != phase:
+                    self.log_phases.append((len(self.allocation_log), phase))
+                self.allocation_log.extend(left)
 
     def track_parameters_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool) -> tuple[int, int]:
         # The stock version registers gradient hooks on every parameter, which fails on frozen
