@@ -81,8 +81,11 @@ def plan_section(cfg: Any) -> dict[str, Any]:
     out = section.get("out")
     if out is not None and not str(out).endswith((".yaml", ".yml")):
         raise ValueError(f"plan.out={out!r}: give a .yaml file (it is written as an experiment config: +experiment=NAME)")
+    seconds = section.get("rank_seconds")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0):
+        raise ValueError(f"plan.rank_seconds must be a number of seconds >= 0 (0: no rank traced), got {seconds!r}")
     return {"device": device_spec(section.get("device") or "h100"), "out": out,
-            "allow": [a for a in SEARCHED_MATHS_LEVERS if a in allow]}
+            "allow": [a for a in SEARCHED_MATHS_LEVERS if a in allow], "rank_seconds": seconds}
 
 
 def sequence_key(cfg: Any) -> str | None:
@@ -342,7 +345,7 @@ def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any
     try:
         shape = tracer.recipe_shape(blocks, maths)
         confirm = rank_confirmer(argv, lambda c: candidate_overrides(cfg, shape, c), world_size=shape.world_size,
-                                 gpu_target=not cpu_target)
+                                 gpu_target=not cpu_target, seconds=plan_section(cfg)["rank_seconds"])
         result = search_plans(tracer, shape, opts["gpu_bytes"], device=device, margin=opts["margin"],
                               use_reserved=not cpu_target, offload=not cpu_target, confirm_rank=confirm)
     finally:

@@ -76,8 +76,10 @@ class RankConfirmer:
         from lit_memopt.cli_estimate import estimate_recipe
 
         if self.left <= 0:
-            self.notes.append("the plan's time for tracing ranks was spent; the next plan's per-rank figure is "
-                              "arithmetic on a one-device trace")
+            self.notes.append("no FSDP2 plan was traced as a rank (plan.rank_seconds=0): per-rank figures are arithmetic "
+                              "on one-device traces" if self.budget <= 0 else
+                              "the plan's time for tracing ranks (plan.rank_seconds) was spent; the next plan's per-rank "
+                              "figure is arithmetic on a one-device trace")
             return None
         started = time.perf_counter()
         try:
@@ -98,10 +100,11 @@ class RankConfirmer:
 
 
 def rank_confirmer(argv: Sequence[str] | None, overrides: Callable[[Candidate], list[str]], *, world_size: int,
-                   gpu_target: bool) -> RankConfirmer | None:
+                   gpu_target: bool, seconds: float | None = None) -> RankConfirmer | None:
     """A :class:`RankConfirmer` where a plan has FSDP2 ranks to confirm: several ranks on a GPU, and the plan's
-    command line to compose them from (``plan_recipe`` called without ``argv`` keeps the arithmetic)."""
+    command line to compose them from (``plan_recipe`` called without ``argv`` keeps the arithmetic). ``seconds``:
+    its budget (``plan.rank_seconds``; ``None``: :data:`PLAN_RANK_SECONDS`)."""
     if argv is None or world_size <= 1 or not gpu_target:
         return None
-    return RankConfirmer(argv, overrides)
+    return RankConfirmer(argv, overrides, seconds)
 

@@ -174,7 +174,7 @@ def test_an_fsdp2_plan_is_one_rank_traced_and_its_estimate_command_reads_the_sam
 def test_a_plan_that_fits_by_the_arithmetic_and_not_as_a_rank_is_replaced(monkeypatch) -> None:  # noqa: ANN001
     """57.5 MiB (51.75 usable): the recipe's rank reads 51.62 MiB by the arithmetic and 52.00 traced. The plan traces
     the rank, finds it does not fit, and answers with the fastest plan whose own rank fits; with no time left for
-    ranks it keeps the arithmetic, and says so."""
+    ranks (plan.rank_seconds) it keeps the arithmetic, and says so."""
     from lit_memopt import cli_plan_rank
 
     _, _, result = _plan("gpu_memory=57.5MiB")
@@ -184,10 +184,16 @@ def test_a_plan_that_fits_by_the_arithmetic_and_not_as_a_rank_is_replaced(monkey
     best = result.best
     assert best.candidate != recipe and best.rank_traced and best.peak_bytes <= result.usable_bytes
     assert not best.candidate.offload and result.rank_traces == 2
-    monkeypatch.setattr(cli_plan_rank, "PLAN_RANK_SECONDS", 0.0)
-    _, _, arithmetic = _plan("gpu_memory=57.5MiB")
-    assert arithmetic.best.candidate == recipe and not arithmetic.best.rank_traced and arithmetic.rank_traces == 0
-    assert any("time for tracing ranks was spent" in note for note in arithmetic.notes), arithmetic.notes
+    # time for one rank only: the recipe's is traced and does not fit; the next plan keeps the arithmetic, with a note
+    monkeypatch.setattr(cli_plan_rank, "PLAN_RANK_SECONDS", 1e-3)
+    _, _, spent = _plan("gpu_memory=57.5MiB")
+    assert spent.rank_traces == 1 and spent.fastest_not_fitting.rank_traced and not spent.best.rank_traced
+    assert any("time for tracing ranks (plan.rank_seconds) was spent" in note for note in spent.notes), spent.notes
+    # none: the arithmetic's answer, the recipe
+    _, _, off = _plan("gpu_memory=57.5MiB", "plan.rank_seconds=0")
+    assert off.best.candidate == recipe and off.rank_traces == 0 and "plan.rank_seconds=0" in off.notes[0]
+    with pytest.raises(ValueError, match="plan.rank_seconds must be a number of seconds >= 0"):
+        _plan("gpu_memory=57.5MiB", "plan.rank_seconds=-1")
 
 
 @pytest.mark.timeout(300)
