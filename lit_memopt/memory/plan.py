@@ -340,6 +340,8 @@ class _PlanSearch:
             peak = int(est.reserved_peak_bytes or est.peak_bytes)
             preds[c] = Prediction(c, peak, self.seconds(c, est.offloaded_bytes), True, est, rank_traced=True)
             if peak > usable:
+                if c == self.recipe:
+                    self.untried = None  # "the recipe fits as given" no longer holds
                 self.widen()
         self.settle()
 
@@ -347,9 +349,7 @@ class _PlanSearch:
         """Predict every candidate of the exact levers: the search was narrowed on a plan that a traced rank has now
         ruled out (the recipe, say, which fits by the arithmetic and not as a rank), so the plans it pruned as slower
         than that one are open again."""
-        if self.sizes != self.all_sizes:
-            self.untried = None  # "the recipe fits as given" no longer holds
-            self.sizes = self.all_sizes
+        self.sizes = self.all_sizes
         for ck in self.checkpointing:
             self.probe((ck, self.recipe.activation_offload))
         for c in self.grid(self.recipe.activation_offload):
