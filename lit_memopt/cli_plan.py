@@ -303,12 +303,10 @@ def plan_recipe(cfg: Any, argv: Sequence[str] | None = None) -> PlanResult:
         raise ValueError(f"{option} is an estimate option: plan shares one-device 1- and 2-block traces across its "
                          f"candidates. Check the plan it prints with `lit-memopt estimate <its overrides> {option}=true`")
     section = plan_section(cfg)
-    device = section["device"]
-    cpu_target = device.name.startswith("CPU")
     from hydra.utils import instantiate
 
     blocks = block_count(instantiate(cfg.model)) or 1
-    result = _search(cfg, blocks, (), opts, device, cpu_target, argv)
+    result = _search(cfg, blocks, (), opts, section, argv)
     if result.fits or not section["allow"]:
         return result
     # Nothing exact fits: the allowed maths levers, alone and together (lora, shorter_seq, both), each a variant of
@@ -319,7 +317,7 @@ def plan_recipe(cfg: Any, argv: Sequence[str] | None = None) -> PlanResult:
     for combo in combos:
         overrides = maths_overrides(cfg, combo)
         variant = compose_variant(cfg, overrides)
-        variants.append(_search(variant, blocks, combo, opts, device, cpu_target,
+        variants.append(_search(variant, blocks, combo, opts, section,
                                 None if argv is None else with_overrides(argv, overrides)))
     return merge_variants(result, variants)
 
@@ -337,15 +335,18 @@ def compose_variant(cfg: Any, overrides: Sequence[str]) -> Any:
     return cfg
 
 
-def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, device: Any, cpu_target: bool,
+def _search(cfg: Any, blocks: int, maths: Sequence[str], opts: dict, section: dict[str, Any],
             argv: Sequence[str] | None) -> PlanResult:
+    """One recipe (or ``plan.allow`` variant) searched; ``section``: the plan's own settings (:func:`plan_section`)."""
+    device = section["device"]
+    cpu_target = device.name.startswith("CPU")
     # A GPU's traces model its allocator on the usable bytes, as `estimate gpu_memory=` does (a CPU target judges
     # live bytes: no allocator).
     tracer = PlanTracer(cfg, cpu_target, None if cpu_target else usable_bytes(opts["gpu_bytes"], opts["margin"]))
     try:
         shape = tracer.recipe_shape(blocks, maths)
         confirm = rank_confirmer(argv, lambda c: candidate_overrides(cfg, shape, c), world_size=shape.world_size,
-                                 gpu_target=not cpu_target, seconds=plan_section(cfg)["rank_seconds"])
+                                 gpu_target=not cpu_target, seconds=section["rank_seconds"])
         result = search_plans(tracer, shape, opts["gpu_bytes"], device=device, margin=opts["margin"],
                               use_reserved=not cpu_target, offload=not cpu_target, confirm_rank=confirm)
     finally:

@@ -39,7 +39,12 @@ def fit_command(argv: Sequence[str], cfg: Any, result: PlanResult, plan: Predict
 
 def _command(verb: str, argv: Sequence[str], overrides: Sequence[str]) -> str:
     """``lit-memopt VERB``: the user's arguments less those ``overrides`` set again, then ``overrides``."""
-    return " ".join(["lit-memopt", verb, *(shlex.quote(a) for a in with_overrides(argv, overrides))])
+    return _shell(verb, with_overrides(argv, overrides))
+
+
+def _shell(verb: str, args: Sequence[str]) -> str:
+    """``lit-memopt VERB ARGS...`` as one shell line."""
+    return " ".join(["lit-memopt", verb, *(shlex.quote(a) for a in args)])
 
 
 def _describe(p: Prediction, shape: RecipeShape) -> str:
@@ -133,8 +138,7 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
             print(f"Note: {note}.", file=out)
         best = result.plans[0].candidate
         if best.strategy == "fsdp2" and not best.offload and not result.device.name.startswith("CPU"):
-            args = rank_estimate_args(argv, plan_overrides(cfg, result, result.plans[0]))
-            command = " ".join(["lit-memopt", "estimate", *(shlex.quote(a) for a in args)])
+            command = _shell("estimate", rank_estimate_args(argv, plan_overrides(cfg, result, result.plans[0])))
             if result.plans[0].rank_traced:
                 print(f"Plan 1's per-rank figure is one rank traced with its own allocator, as {command} prints it.",
                       file=out)
@@ -204,8 +208,7 @@ def experiment_command(argv: Sequence[str], path: str) -> str:
 
     file = Path(path).resolve()
     kept = [a for a in argv if not a.startswith(PLAN_ONLY_KEYS)]
-    return " ".join(["lit-memopt", "fit", *(shlex.quote(a) for a in kept), "--config-dir", shlex.quote(str(file.parent.parent)),
-                     shlex.quote(f"+{file.parent.name}={file.stem}")])
+    return _shell("fit", [*kept, "--config-dir", str(file.parent.parent), f"+{file.parent.name}={file.stem}"])
 
 
 def _effect(cfg: Any, lever: str) -> str:
