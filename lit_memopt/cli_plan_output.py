@@ -139,9 +139,19 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
         best = result.plans[0].candidate
         if best.strategy == "fsdp2" and not best.offload and not result.device.name.startswith("CPU"):
             command = _shell("estimate", rank_estimate_args(argv, plan_overrides(cfg, result, result.plans[0])))
-            if result.plans[0].rank_traced:
+            best_plan = result.plans[0]
+            if best_plan.rank_traced:
                 print(f"Plan 1's per-rank figure is one rank traced with its own allocator, as {command} prints it.",
                       file=out)
+                levers = best_plan.arithmetic_levers
+                if levers:
+                    # the plans without those levers are priced by the arithmetic only: a saving between a traced rank
+                    # and arithmetic would be the allocator models' difference as much as the lever's
+                    many = len(levers) > 1
+                    print(f"Plan 1's {' and '.join(levers)} saving{'s compare' if many else ' compares'} arithmetic "
+                          f"figures (plan 1's: {format_bytes(best_plan.arithmetic_bytes)}): the plan{'s' if many else ''} "
+                          f"without {'them are' if many else 'it is'} not traced as {'ranks' if many else 'a rank'}.",
+                          file=out)
             else:
                 # memory.sharding carries the one-device trace's allocator overhead over to a rank; a traced rank has
                 # its own

@@ -451,3 +451,44 @@ def test_no_rank_is_traced_on_one_device_nor_for_ddp_or_offload() -> None:
     # a DDP recipe's plans are confirmed only where the best is FSDP2 with its state on the device
     assert all(c.strategy == "fsdp2" and not c.offload for c in asked)
     assert bool(asked) == (result.best.candidate.strategy == "fsdp2")
+
+
+def test_a_traced_ranks_levers_are_priced_against_like_figures() -> None:
+    """A plan whose peak is its own rank's trace, against the plan without one of its levers, priced by the
+    arithmetic (its rank is not traced): the saving compares the two arithmetic figures, not the rank's `extra`
+    allocator bytes with the arithmetic (which read `extra` too little of a saving)."""
+    from lit_memopt.memory.plan_candidates import revert_lever
+
+    extra = 300 * MIB
+    # the recipe does not fit even by the arithmetic: the best plan (checkpointing) is traced as a rank, its twin
+    # without checkpointing (the recipe) is not
+    memory = int(_fsdp2_plan(80 * 2**30).best.peak_bytes * 0.95 / 0.9)
+    result = _fsdp2_plan(memory, _rank_trace(extra, []))
+    best = result.best
+    assert best.rank_traced and best.arithmetic_peak_bytes == best.peak_bytes - extra
+    by_candidate = {p.candidate: p for p in result.predictions}
+    priced = 0
+    for lever, value in best.levers.items():
+        twin = by_candidate[revert_lever(best.candidate, lever, FSDP2_SHAPE.recipe)]
+        assert value is not None
+        if twin.rank_traced:  # both ranks traced: their own figures
+            assert value[0] == twin.peak_bytes - best.peak_bytes
+        else:
+            assert value[0] == twin.peak_bytes - best.arithmetic_peak_bytes
+            priced += 1
+    assert priced >= 1 and best.levers["checkpointing"][0] == result.recipe.peak_bytes - (best.peak_bytes - extra)
+
+    # the table says so under the plan: which savings compare arithmetic figures, and plan 1's
+    import io
+
+    from lit_memopt.cli import compose_config
+    from lit_memopt.cli_plan_output import render_plan
+    from lit_memopt.memory.units import format_bytes
+
+    argv = ["recipe=sft", "trainer=fsdp2", "trainer.devices=8", f"gpu_memory={memory}"]
+    out = io.StringIO()
+    render_plan(result, compose_config(argv), argv, out)
+    lines = out.getvalue().splitlines()
+    assert "traced rank" in lines[4] and f"checkpointing {best.levers['checkpointing'][0] / 2**20:.2f}" in lines[4]
+    assert (f"Plan 1's checkpointing saving compares arithmetic figures (plan 1's: "
+            f"{format_bytes(best.arithmetic_peak_bytes)}): the plan without it is not traced as a rank.") in lines, lines

@@ -48,6 +48,7 @@ from lit_memopt.memory.plan_candidates import (
     RecipeShape,
     changed_levers,
     divisors,
+    like_peaks,
     recompute_share,
     revert_lever,
 )
@@ -338,7 +339,8 @@ class _PlanSearch:
                 return
             self.rank_traces += 1
             peak = int(est.reserved_peak_bytes or est.peak_bytes)
-            preds[c] = Prediction(c, peak, self.seconds(c, est.offloaded_bytes), True, est, rank_traced=True)
+            preds[c] = Prediction(c, peak, self.seconds(c, est.offloaded_bytes), True, est, rank_traced=True,
+                                  arithmetic_peak_bytes=preds[c].peak_bytes)
             if peak > usable:
                 if c == self.recipe:
                     self.untried = None  # "the recipe fits as given" no longer holds
@@ -451,7 +453,7 @@ def _rank(shape: RecipeShape, memory_bytes: int, usable: int, margin: float, dev
     ranked = sorted(preds.values(), key=order)
     for p in ranked:
         p.relative_time = p.seconds / recipe_pred.seconds
-        p.levers = {}
+        p.levers, p.arithmetic_levers = {}, ()
     fitting = [p for p in ranked if p.peak_bytes <= usable]
     plans: list[Prediction] = []
     for p in fitting:  # fastest first: keep a plan only if it needs clearly less memory than every faster one
@@ -463,7 +465,13 @@ def _rank(shape: RecipeShape, memory_bytes: int, usable: int, margin: float, dev
             ref = preds.get(without) or (reference(without) if reference is not None else None)
             # None: the plan without this lever was not predicted and would take a trace (or a maths lever searched
             # only with another one)
-            p.levers[lever] = None if ref is None else (ref.peak_bytes - p.peak_bytes, p.seconds / ref.seconds - 1.0)
+            if ref is None:
+                p.levers[lever] = None
+            else:
+                mine, theirs = like_peaks(p, ref)
+                p.levers[lever] = (theirs - mine, p.seconds / ref.seconds - 1.0)
+                if p.rank_traced != ref.rank_traced:
+                    p.arithmetic_levers += (lever,)
     # the closest plan: the fastest of those within 1% of the smallest peak (peaks an optimizer step dominates tie)
     least = min(p.peak_bytes for p in ranked)
     closest = next(p for p in ranked if p.peak_bytes <= least * 1.01)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from lit_memopt.memory.plan_time import DeviceSpec
 from lit_memopt.memory.step import PeakEstimate
 
-__all__ = ["Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "recompute_share",
-           "revert_lever"]
+__all__ = ["Candidate", "PlanResult", "Prediction", "RecipeShape", "changed_levers", "divisors", "like_peaks",
+           "recompute_share", "revert_lever"]
 
 
 @dataclass(frozen=True, order=True)
@@ -93,9 +93,28 @@ class Prediction:
     # the peak is one rank's own trace under a fake process group (search_plans' confirm_rank), not arithmetic on a
     # one-device trace
     rank_traced: bool = False
+    # with ``rank_traced``: the arithmetic figure the rank's trace replaced, kept so that a lever's saving compares like
+    # with like (the plan without the lever is priced by the arithmetic: its rank is not traced)
+    arithmetic_peak_bytes: int | None = None
     # lever name -> (bytes saved against the recipe's value of that lever, relative time cost); None where the plan
     # without that lever was not predicted
     levers: dict[str, tuple[int, float] | None] = field(default_factory=dict)
+    # the levers whose saving compares the arithmetic figures (this plan's rank is traced, the plan without the lever's
+    # is not: :func:`like_peaks`)
+    arithmetic_levers: tuple[str, ...] = ()
+
+    @property
+    def arithmetic_bytes(self) -> int:
+        """The peak as the one-device trace's arithmetic puts it (the rank's own trace set aside)."""
+        return self.peak_bytes if self.arithmetic_peak_bytes is None else self.arithmetic_peak_bytes
+
+
+def like_peaks(p: Prediction, ref: Prediction) -> tuple[int, int]:
+    """The peaks of ``p`` and ``ref`` from the same source: both ranks' own traces where both have one, else both
+    the arithmetic's (a traced rank against an arithmetic twin differs by the allocator model, not the lever)."""
+    if p.rank_traced == ref.rank_traced:
+        return p.peak_bytes, ref.peak_bytes
+    return p.arithmetic_bytes, ref.arithmetic_bytes
 
 
 @dataclass
