@@ -14,7 +14,9 @@ Shapes: the issue's N=2048, H=512, V=32000 (fp32 and bf16), and a Qwen3-4B head 
 with one row tile as one compiled graph (its defaults); the ``"fast", compiled tile by tile`` row is the same op
 with ``LIT_MEMOPT_WHOLE_PASS=0`` and the ``"fast", eager tiles`` row with ``LIT_MEMOPT_FUSED_TILES=0``. Cut Cross-Entropy runs its Triton kernel (``impl="cce"``), Liger its
 Triton fused linear cross-entropy and its chunked GRPO loss. Writes ``results/peers_cuda_<gpu>.{md,json}``.
-Run ``python -m benchmarks.peers_cuda [--quick]`` on a GPU machine.
+Run ``python -m benchmarks.peers_cuda [--quick | --must-show]`` on a GPU machine; ``--must-show`` runs only issue 43's
+GPU targets (the Qwen3-4B head in bf16, each path's bare head products timed beside it) and judges them
+(``benchmarks/_cuda_targets.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ from benchmarks._peer_methods import (
     make_inputs,
     methods_for,
     objective,
+    own_floor,
+    product_floors,
 )
+from benchmarks._cuda_targets import judge_cuda, verdict_lines
 from benchmarks._results import gpu_stem, write_results
 from benchmarks.peers import load_peers
 
@@ -58,13 +63,19 @@ def inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> I
     return x
 
 
+def _sync(x: Inputs) -> None:
+    """Wait for the inputs' device (a CUDA GPU; nothing on the CPU, where the plumbing tests run)."""
+    if x["hidden"].is_cuda:
+        torch.cuda.synchronize()
+
+
 def timed_step(m: Method, x: Inputs) -> float:
     """Seconds of one forward+backward of ``m`` on ``x``, the GPU synchronised on both sides."""
     _clear_grads(x)
-    torch.cuda.synchronize()
+    _sync(x)
     start = time.perf_counter()
     objective(m.fn(x), x).backward()
-    torch.cuda.synchronize()
+    _sync(x)
     return time.perf_counter() - start
 
 
@@ -133,16 +144,21 @@ def lit_variants(fast: Method) -> list[Method]:
 
 
 def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers: dict, *, exact: bool, memory: bool,
-            device: str = "cuda") -> dict[str, Any]:
+            device: str = "cuda", floors: bool = False, variants: bool = True) -> dict[str, Any]:
+    """One case: every method of ``op`` timed in the same repetitions; ``floors``: each path's bare head products
+    too (:func:`product_floors`), and each method's time against its own (``ratio_vs_own_floor``); ``variants``:
+    the ``"fast"`` op's other tile settings beside it (:func:`lit_variants`)."""
     methods, absent = methods_for(op, dtype, peers, device=device)
     fast = next((m for m in methods if m.name == LIT_FAST), None)
-    if fast is not None:  # compiled tiles against one compiled pass and the eager tile loop, in the same repetitions
+    if fast is not None and variants:  # compiled tiles against one compiled pass and the eager tile loop, in the same repetitions
         at = methods.index(fast) + 1
         methods[at:at] = lit_variants(fast)
     x = inputs(shape, dtype, torch.device(device))
     errors = exactness(methods, x) if exact else {}
     methods = [m for m in methods if "error" not in errors.get(m.name, {})]
     absent += [{"peer": n, "method": n, "error": e["error"]} for n, e in errors.items() if "error" in e]
+    if floors:
+        methods += product_floors(op)
     methods = runnable(methods, x, absent)
     times = interleaved_times(methods, x, reps, step=timed_step, warmups=2)
     rows = []
@@ -150,6 +166,10 @@ def compare(op: str, dtype: torch.dtype, shape: dict[str, int], reps: int, peers
         row: dict[str, Any] = {"method": m.name, "peer": m.peer, **errors.get(m.name, {}),
                                "median_ms": 1e3 * statistics.median(times[m.name]),
                                "ratio_vs_naive": paired_ratio(times, m.name, NAIVE)}
+        if m.floor:
+            row["floor"] = True
+        elif floors and own_floor(m) in times:
+            row.update(products=m.products, own_floor=own_floor(m), ratio_vs_own_floor=paired_ratio(times, m.name, own_floor(m)))
         if memory:
             row["extra_bytes"] = peak_extra(m, x)
         rows.append(row)
@@ -175,18 +195,21 @@ def to_markdown(result: dict[str, Any]) -> str:
     for c in result["cases"]:
         s = c["shape"]
         lines += [f"## {c['op']} · {c['dtype']} · N={s['tokens']}, H={s['hidden']}, V={s['vocab']} ({c['reps']} repetitions)", ""]
-        lines += ["| method | median ms | vs naive | vs fastest peer | value err | grad hidden err | grad weight err | extra memory |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| method | median ms | vs naive | vs fastest peer | vs own floor | value err | grad hidden err | "
+                  "grad weight err | extra memory |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         peer_rows = [r for r in c["rows"] if r.get("peer")]
         fastest = min(peer_rows, key=lambda r: r["ratio_vs_naive"]) if peer_rows else None
         for r in c["rows"]:
             vs_peer = f"{paired_ratio(c['times'], r['method'], fastest['method']):.2f}x" if fastest else "—"
-            errs = [f"{r[k]:.2e}" if k in r else "—" for k in ("value_err", "grad_hidden_err", "grad_weight_err")]
-            lines.append(f"| {r['method']} | {r['median_ms']:.2f} | {r['ratio_vs_naive']:.2f}x | {vs_peer} | "
+            vs_floor = f"{r['ratio_vs_own_floor']:.2f}x" if "ratio_vs_own_floor" in r else "—"
+            errs = [f"{r[k]:.2e}" if r.get(k) is not None else "—" for k in ("value_err", "grad_hidden_err", "grad_weight_err")]
+            lines.append(f"| {r['method']} | {r['median_ms']:.2f} | {r['ratio_vs_naive']:.2f}x | {vs_peer} | {vs_floor} | "
                          + " | ".join(errs) + f" | {fmt_bytes(r.get('extra_bytes'))} |")
         for a in c["absent"]:
             lines.append(f"\n{a['method']}: absent here — `{a['error']}`")
         lines.append("")
+    if result.get("verdicts"):
+        lines += ["## Issue 43's GPU targets", "", *verdict_lines(result["verdicts"]), ""]
     return "\n".join(lines)
 
 
@@ -203,34 +226,50 @@ def result_header(benchmark: str, command: str, peers: dict) -> dict[str, Any]:
             "peers": [{"name": p.name, "package": p.package, "version": p.version, "error": p.error} for p in peers.values()]}
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+# --must-show: issue 43's GPU targets alone (benchmarks/_cuda_targets.py), at the Qwen3-4B head in bf16, with each
+# path's product floor timed beside it: minutes less than the whole benchmark, for a short GPU lease.
+MUST_SHOW_OPS = ("cross_entropy", "grpo", "frozen_logprobs", "logprobs")
+
+
+def run(quick: bool = False, must_show: bool = False) -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/peers_cuda.py needs a CUDA device; on the CPU run benchmarks/peers.py")
     peers = load_peers()
-    result = result_header("peers_cuda", "python -m benchmarks.peers_cuda" + (" --quick" if quick else ""), peers)
+    flag = " --quick" if quick else " --must-show" if must_show else ""
+    result = result_header("peers_cuda", "python -m benchmarks.peers_cuda" + flag, peers)
     result["quick"] = quick
-    plan = [(op, dt, TIME_SHAPE, REPS, True, True) for dt in (torch.float32, torch.bfloat16) for op in OPS]
-    if not quick:
-        plan += [(op, torch.bfloat16, BIG_SHAPE, BIG_REPS, False, True) for op in OPS]
+    if must_show:
+        plan = [(op, torch.bfloat16, BIG_SHAPE, BIG_REPS, False, True) for op in MUST_SHOW_OPS]
+    else:
+        plan = [(op, dt, TIME_SHAPE, REPS, True, True) for dt in (torch.float32, torch.bfloat16) for op in OPS]
+        if not quick:
+            plan += [(op, torch.bfloat16, BIG_SHAPE, BIG_REPS, False, True) for op in OPS]
     for op, dtype, shape, reps, exact, memory in plan:
         print(f"[peers_cuda] {op} {dtype} {shape}", flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                result["cases"].append(compare(op, dtype, shape, reps, peers, exact=exact, memory=memory))
+                result["cases"].append(compare(op, dtype, shape, reps, peers, exact=exact, memory=memory,
+                                               floors=shape == BIG_SHAPE, variants=not must_show))
             except torch.OutOfMemoryError as exc:
                 print(f"[peers_cuda] {op} {dtype} {shape}: out of memory ({exc})".splitlines()[0], flush=True)
                 torch.cuda.empty_cache()
+    result["verdicts"] = judge_cuda(result)
     return result
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the small shape")
+    parser.add_argument("--must-show", action="store_true",
+                        help="issue 43's GPU targets alone: the Qwen3-4B head in bf16, product floors beside each path")
     args = parser.parse_args(argv)
-    result = run(quick=args.quick)
+    if args.quick and args.must_show:
+        parser.error("--quick and --must-show are two different runs: choose one")
+    result = run(quick=args.quick, must_show=args.must_show)
     gpu = gpu_stem(result["gpu"])
-    written = write_results(f"peers_cuda_{gpu}" + ("_quick" if args.quick else ""), result, to_markdown(result))
+    suffix = "_quick" if args.quick else "_must_show" if args.must_show else ""
+    written = write_results(f"peers_cuda_{gpu}{suffix}", result, to_markdown(result))
     print(to_markdown(result))
     for path in written:
         print(f"wrote {path}")

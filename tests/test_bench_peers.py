@@ -299,3 +299,58 @@ def test_a_partial_run_names_its_pieces_and_runs_only_them(only_a_missing_peer: 
     assert "cross_entropy" in written["markdown"]
     with pytest.raises(SystemExit):
         peers.main(["--ops", "not_an_op"])
+
+
+def test_the_gpu_benchmark_times_each_paths_own_product_floor_beside_it(
+        only_a_missing_peer: dict[str, peers.Peer], cuda_timers_stubbed: None) -> None:
+    # --must-show's cases: the floors in the same repetitions, each lit-memopt path against its own, no variants
+    from benchmarks import peers_cuda
+
+    c = peers_cuda.compare("logprobs", torch.bfloat16, TINY, 2, only_a_missing_peer, exact=False, memory=True,
+                           device="cpu", floors=True, variants=False)
+    rows = {r["method"]: r for r in c["rows"]}
+    assert list(rows) == [peers.NAIVE, peers.LIT_EXACT, peers.LIT_FAST, peers.FLOOR_HOLDING, peers.FLOOR_RECOMPUTING]
+    assert rows[peers.FLOOR_HOLDING]["floor"] and rows[peers.FLOOR_RECOMPUTING]["floor"]
+    fast = rows[peers.LIT_FAST]
+    assert fast["own_floor"] == peers.FLOOR_RECOMPUTING and fast["products"] == 4
+    from benchmarks._peer_measure import paired_ratio
+
+    assert fast["ratio_vs_own_floor"] == paired_ratio(c["times"], peers.LIT_FAST, peers.FLOOR_RECOMPUTING)
+    assert "ratio_vs_own_floor" not in rows[peers.FLOOR_HOLDING]
+    table = peers_cuda.to_markdown({"gpu": "test", "torch": torch.__version__, "triton": None, "command": "test",
+                                    "peers": [], "cases": [c]})
+    assert f"| {fast['ratio_vs_own_floor']:.2f}x |" in table.split(f"| {peers.LIT_FAST} |")[1].splitlines()[0]
+
+
+def test_issue_43s_gpu_targets_are_judged_on_the_4b_head_only() -> None:
+    from benchmarks._cuda_targets import SHAPE, judge_cuda, verdict_lines
+
+    gib = 2**30
+
+    def case(op: str, rows: list[dict], times: dict[str, list[float]], shape: dict = SHAPE) -> dict:
+        return {"op": op, "dtype": "bfloat16", "shape": shape, "rows": rows, "times": times}
+
+    trl, naive = "TRL selective_log_softmax", peers.NAIVE
+    frozen = case("frozen_logprobs", [
+        {"method": naive, "median_ms": 40.0, "extra_bytes": 8 * gib},
+        {"method": peers.LIT_FAST, "median_ms": 20.0, "extra_bytes": gib // 5},
+        {"method": trl, "peer": "TRL full logits", "median_ms": 25.0, "extra_bytes": 4 * gib}],
+        {naive: [40.0] * 3, peers.LIT_FAST: [20.0] * 3, trl: [25.0] * 3})
+    # the same numbers, but lit-memopt's path slower than the peer and holding half of its memory
+    slow = case("frozen_logprobs", [dict(r, median_ms=30.0, extra_bytes=2 * gib) if r["method"] == peers.LIT_FAST else r
+                                    for r in frozen["rows"]], {**frozen["times"], peers.LIT_FAST: [30.0] * 3})
+    floor = case("logprobs", [{"method": peers.LIT_FAST, "median_ms": 50.0, "products": 4,
+                               "own_floor": peers.FLOOR_RECOMPUTING, "ratio_vs_own_floor": 1.4}], {peers.LIT_FAST: [50.0]})
+    grpo_without_peers = case("grpo", [{"method": peers.LIT_FUSED_GRPO_FAST, "median_ms": 9.0}], {peers.LIT_FUSED_GRPO_FAST: [9.0]})
+    small = dict(frozen, shape=peers.TIME_SHAPE)  # not the target's shape: not judged
+    verdicts = judge_cuda({"cases": [frozen, slow, floor, grpo_without_peers, small]})
+    against_peers = [v for v in verdicts if "fastest peer" in v["target"]]
+    assert [v["met"] for v in against_peers] == [True, False, None]
+    assert abs(against_peers[0]["ratio"] - 0.8) < 1e-12 and "0.050x TRL selective_log_softmax's 4.00 GiB" in against_peers[0]["detail"]
+    assert "did not run" not in against_peers[2]["detail"] and against_peers[2]["detail"] == "no peer ran"
+    (vs_floor,) = [v for v in verdicts if "own product floor" in v["target"]]
+    assert vs_floor["met"] is False and vs_floor["detail"] == f"1.40x (4 products: {peers.FLOOR_RECOMPUTING})"
+    memory = [v for v in verdicts if "of naive" in v["target"]]
+    assert [v["met"] for v in memory] == [False, False]  # 2.5% and 25% of naive's 8 GiB: above 2%
+    lines = verdict_lines(verdicts)
+    assert lines[0].startswith("- met: bf16 frozen-head log-probs") and lines[1].startswith("- **missed**")
