@@ -194,3 +194,35 @@ def test_block_extrapolation_does_not_carry_reserved_past_the_device() -> None:
     tight = within_device(estimate_with_blocks(built, batch, 12, device_bytes=small))
     assert tight.reserved_peak_bytes == tight.least_reserved_bytes > small and "more than the device's" in tight.method
     assert estimate_peak(whole, batch, device_bytes=small).reserved_peak_bytes > small
+
+
+def test_the_free_lists_stay_sorted_and_coalesced_over_a_long_random_log() -> None:
+    """The model's invariants after every event of a random log (both pools, splits, merges, reuse): each free list
+    sorted by (size, segment, offset) and naming exactly the free blocks, no two neighbouring free blocks, every
+    segment's blocks tiling it, and the allocated bytes the sum of the blocks in use."""
+    import random
+
+    from lit_memopt.memory.allocator import CachingAllocatorModel
+
+    rng = random.Random(1)
+    model = CachingAllocatorModel(capacity_bytes=2 << 30)
+    live = []
+    for _ in range(3000):
+        if live and rng.random() < 0.5:
+            model.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(model.malloc(rng.choice([1, 512, 3000, 600_000, 1 << 20, 3 << 20, rng.randint(1, 30 << 20)])))
+        blocks = []
+        for head in model._head.values():
+            b, offset = head, 0
+            while b is not None:
+                assert b.offset == offset and (b.next is None or not (b.free and b.next.free))
+                offset += b.size
+                blocks.append(b)
+                b = b.next
+            assert offset == model.segments[head.segment]
+        for small in (True, False):
+            entries = model._free[small]
+            assert [e[:3] for e in entries] == sorted(e[:3] for e in entries)
+            assert {id(e[3]) for e in entries} == {id(b) for b in blocks if b.free and b.small == small}
+        assert model.allocated_bytes == sum(b.size for b in blocks if not b.free)

@@ -195,3 +195,57 @@ def test_lean_per_op_bookkeeping_matches_the_stock_tracker(monkeypatch) -> None:
 
     monkeypatch.setattr(StepTracker, "__torch_dispatch__", stock)
     _same(lean, estimate_peak(_fake_sft(2), batch, optimizer_foreach=True))
+
+
+def _random_log(events: int, seed: int = 0) -> list[tuple[int, int, int]]:
+    import random
+
+    rng = random.Random(seed)
+    log, live, key = [], [], 0
+    for _ in range(events):
+        if live and rng.random() < 0.5:
+            k, n = live.pop(rng.randrange(len(live)))
+            log.append((-1, k, n))
+        else:
+            n = rng.choice([512, 3000, 1 << 20, 3 << 20, 24 << 20, rng.randint(1, 40 << 20)])
+            log.append((1, key, n))
+            live.append((key, n))
+            key += 1
+    return log
+
+
+@pytest.mark.parametrize("device_mib", [None, 4096, 300])
+def test_the_least_device_replayed_in_a_forked_child_equals_replaying_it_here(monkeypatch, device_mib) -> None:  # noqa: ANN001
+    # a long log's two replays run side by side (the least device in a child); 300 MiB: the on-device replay runs out
+    import lit_memopt.memory.step as step
+    from lit_memopt.memory.allocator import AllocatorOutOfMemory, reserved_peak
+
+    log = _random_log(4000)
+    device = None if device_mib is None else device_mib << 20
+    forks = []
+    monkeypatch.setattr(step, "FORK_REPLAY_EVENTS", 1000)
+    monkeypatch.setattr(step, "ForkedCall", lambda fn: forks.append(fn) or ForkedCall(fn))
+    if device is None:
+        expected = (reserved_peak(log), None)
+    else:
+        least = reserved_peak(log, release_before_growing=True)
+        try:
+            expected = (reserved_peak(log, device), least)
+        except AllocatorOutOfMemory as exc:
+            expected = (max(least, exc.needed_bytes),) * 2
+            assert device_mib == 300
+    assert step.reserved_peaks(log, device) == expected
+    assert len(forks) == (0 if device is None or not can_fork() else 1)
+    # the check replay asks for no least device: nothing forked, none returned (unless the device runs out)
+    forks.clear()
+    on_device, least = step.reserved_peaks(log, device, least=False)
+    assert on_device == expected[0] and forks == []
+    assert least == (expected[1] if device_mib == 300 else None)
+
+
+def test_a_forked_child_forks_no_further() -> None:
+    # it runs on the core its parent left it: a grandchild would only compete with both
+    if not can_fork():
+        pytest.skip("forking is off on this machine (one core or not Linux): nothing to check")
+    assert ForkedCall(can_fork).result(timeout=60) is False
+    assert can_fork()

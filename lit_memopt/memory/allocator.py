@@ -65,7 +65,7 @@ class AllocatorOutOfMemory(RuntimeError):
         self.needed_bytes = needed_bytes
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a long log makes millions of blocks, and reads their fields as often
 class _Block:
     segment: int
     offset: int
@@ -106,27 +106,24 @@ class CachingAllocatorModel:
     _head: dict[int, _Block] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ free lists (sorted by size, then address)
-    def _key(self, block: _Block) -> tuple[int, int, int, _Block]:
-        return (block.size, block.segment, block.offset, block)
-
-    def _insert(self, block: _Block) -> None:
-        entries = self._free[block.small]
-        key = self._key(block)
-        bisect.insort(entries, key, key=lambda e: e[:3])
-
+    # An entry is (size, segment, offset, block). No two free blocks share a segment and offset, so comparing two
+    # entries is settled before the block, and a search key of three elements sorts just before the entry it names:
+    # the lists are searched with plain tuple comparisons, no key function (millions of calls in a long log).
     def _remove(self, block: _Block) -> None:
         entries = self._free[block.small]
-        i = bisect.bisect_left(entries, (block.size, block.segment, block.offset), key=lambda e: e[:3])
+        i = bisect.bisect_left(entries, (block.size, block.segment, block.offset))
         assert entries[i][3] is block
         del entries[i]
 
     # ------------------------------------------------------------------ public
+    # malloc and free run once per event of a logged step (millions for a long rollout), so their free-list updates
+    # are written out in them rather than called.
     def malloc(self, nbytes: int) -> _Block:
         """Allocate ``nbytes``; returns the block (pass it to :meth:`free`)."""
         size = round_size(int(nbytes))
         small = size <= SMALL_SIZE
         entries = self._free[small]
-        i = bisect.bisect_left(entries, (size, -1, -1), key=lambda e: e[:3])
+        i = bisect.bisect_left(entries, (size, -1, -1))
         if i < len(entries):
             block = entries[i][3]
             del entries[i]
@@ -135,14 +132,17 @@ class CachingAllocatorModel:
         block.free = False
         rest = block.size - size
         if (rest >= MIN_BLOCK_SIZE) if small else (rest > SMALL_SIZE):
-            tail = _Block(block.segment, block.offset + size, rest, small, True, block, block.next)
-            if block.next is not None:
-                block.next.prev = tail
+            after = block.next
+            offset = block.offset + size
+            tail = _Block(block.segment, offset, rest, small, True, block, after)
+            if after is not None:
+                after.prev = tail
             block.next = tail
             block.size = size
-            self._insert(tail)
+            bisect.insort(entries, (rest, block.segment, offset, tail))
         self.allocated_bytes += block.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
         return block
 
     def free(self, block: _Block) -> None:
@@ -151,23 +151,25 @@ class CachingAllocatorModel:
             raise ValueError("CachingAllocatorModel.free: block already free")
         self.allocated_bytes -= block.size
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                self._remove(neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    if self._head.get(block.segment) is block:
-                        self._head[block.segment] = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
-        self._insert(block)
+        entries = self._free[block.small]
+        before = block.prev
+        if before is not None and before.free:
+            del entries[bisect.bisect_left(entries, (before.size, before.segment, before.offset))]
+            before.size += block.size
+            before.next = block.next
+            if block.next is not None:
+                block.next.prev = before
+            if self._head.get(block.segment) is block:
+                self._head[block.segment] = before
+            block = before
+        after = block.next
+        if after is not None and after.free:
+            del entries[bisect.bisect_left(entries, (after.size, after.segment, after.offset))]
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+        bisect.insort(entries, (block.size, block.segment, block.offset, block))
 
     def empty_cache(self) -> None:
         """Release every fully free segment (``torch.cuda.empty_cache``)."""

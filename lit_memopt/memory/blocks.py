@@ -195,7 +195,7 @@ def _checked_stitch(traces: dict[int, PeakEstimate], probes: Sequence[int], chec
         if not _phases_agree(phase_peaks(at_check), check.phase_peaks):
             return f"the log stitched to {checked_at} blocks has other phase peaks than its trace"
         traced = check.reserved_peak_bytes
-        replayed, _ = reserved_peaks(at_check.events, device_bytes)
+        replayed, _ = reserved_peaks(at_check.events, device_bytes, least=False)
         if traced is None or abs(replayed - traced) > STITCH_TOLERANCE * max(traced, 1):
             return f"the log stitched to {checked_at} blocks replays to {replayed} reserved bytes, its trace to {traced}"
     return stitch

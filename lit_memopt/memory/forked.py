@@ -38,12 +38,16 @@ def usable_cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+# Set in a ForkedCall's child: it runs beside its parent on the core the parent left it, so it forks no further.
+_IN_FORKED_CHILD = False
+
+
 def can_fork() -> bool:
-    """Whether ``ForkedCall`` may fork here: Linux, two or more usable cores, a single Python thread, and
-    no CUDA context in this process (a forked child cannot use its parent's: every CUDA call there fails
-    with "initialization error", as a benchmark loop that measured one recipe on the GPU before
-    estimating the next found)."""
-    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+    """Whether ``ForkedCall`` may fork here: Linux, two or more usable cores, a single Python thread, not
+    inside a forked child already, and no CUDA context in this process (a forked child cannot use its parent's:
+    every CUDA call there fails with "initialization error", as a benchmark loop that measured one recipe on the
+    GPU before estimating the next found)."""
+    if _IN_FORKED_CHILD or not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return False
     if _cuda_initialized():
         return False
@@ -66,6 +70,8 @@ class ForkedCall:
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: compute, send back, leave without running the parent's exit handlers
+            global _IN_FORKED_CHILD
+            _IN_FORKED_CHILD = True
             os.close(read_fd)
             status = 0
             try:

@@ -24,6 +24,7 @@ from lit_memopt.memory.allocator import AllocatorOutOfMemory, reserved_peak
 from lit_memopt.memory.batch import batch_geometry, batch_tensors, resize_batch, to_fake
 from lit_memopt.memory.units import format_bytes
 from lit_memopt.memory.fake import fake_mode
+from lit_memopt.memory.forked import ForkedCall, ForkedCallFailed, can_fork
 from lit_memopt.memory.worst_case import UnknownValueError
 from lit_memopt.memory.offload import OFFLOAD_METER
 from lit_memopt.memory.replay import SharedRegions, sharing_regions
@@ -32,6 +33,11 @@ from lit_memopt.memory.tracker import ModuleMemory, StepTracker, module_rows, sn
 
 __all__ = ["BREAKDOWN_LABELS", "PeakEstimate", "EstimateError", "ValueDependentStepError", "estimate_peak", "reserved_peaks", "format_bytes", "breakdown_from_categories", "measure_on_cuda",
            "within_device"]
+
+# A log this long is replayed for its least device in a forked child beside the on-device replay (shorter ones take
+# less than the fork costs), which gets this long before the replay is made here instead.
+FORK_REPLAY_EVENTS = 200_000
+FORKED_REPLAY_SECONDS = 900.0
 
 GIB = 1024**3
 # MemTracker's categories -> the rows of the breakdown.
@@ -494,20 +500,41 @@ def within_device(estimate: PeakEstimate) -> PeakEstimate:
         f"more than the device's {format_bytes(device)}"))
 
 
-def reserved_peaks(log: list[tuple[int, int, int]], device_bytes: int | None) -> tuple[int, int | None]:
-    """The allocator model's reserved peak for ``log`` on a device of ``device_bytes``, and (given one) the peak of
-    one that releases its cache before every new segment, about the least device the step runs on. Where even a
-    released cache leaves too little, the first is what the step needs: that least device, or the reservation that
-    failed."""
+def reserved_peaks(log: list[tuple[int, int, int]], device_bytes: int | None, *,
+                   least: bool = True) -> tuple[int, int | None]:
+    """The allocator model's reserved peak for ``log`` on a device of ``device_bytes``, and (given one, and ``least``)
+    the peak of one that releases its cache before every new segment, about the least device the step runs on. Where
+    even a released cache leaves too little, the first is what the step needs: that least device, or the reservation
+    that failed.
+
+    The two replays are independent, and a long log (a rollout of thousands of tokens: millions of events) takes
+    seconds each: where a second core is free (``forked.can_fork``), the least device is replayed in a forked child
+    alongside.
+    """
     if device_bytes is None:
         return reserved_peak(log), None
-    least = reserved_peak(log, release_before_growing=True)
+    releasing = lambda: reserved_peak(log, release_before_growing=True)  # noqa: E731
+    child = ForkedCall(releasing) if least and len(log) >= FORK_REPLAY_EVENTS and can_fork() else None
+
+    def least_device() -> int:
+        if child is not None:
+            try:
+                return child.result(timeout=FORKED_REPLAY_SECONDS)
+            except ForkedCallFailed:
+                pass  # replayed here instead
+        return releasing()
+
     try:
-        return reserved_peak(log, device_bytes), least
+        on_device = reserved_peak(log, device_bytes)
     except AllocatorOutOfMemory as exc:
         # the reservation that failed is needed whatever the cache held: the least device is no smaller
-        needed = max(least, exc.needed_bytes)
+        needed = max(least_device(), exc.needed_bytes)
         return needed, needed
+    except BaseException:
+        if child is not None:
+            child.cancel()
+        raise
+    return on_device, least_device() if least else None
 
 
 def breakdown_from_categories(categories: dict[str, int], optimizer_state_bytes: int) -> dict[str, int]:
