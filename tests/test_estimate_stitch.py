@@ -212,3 +212,26 @@ def test_the_window_moves_to_where_the_stitched_logs_run_on_a_line() -> None:
     assert blocks._affine_window(Stitched(1), (1, 2), 10) == 2  # up to 10 blocks the head's line holds throughout
     # 19 blocks peak past the head's line (295 against 290), and no two counts short of 19 are on the line to it
     assert blocks._affine_window(Stitched(1), (1, 2), 19) is None
+
+
+@pytest.mark.parametrize("rows_entries", [1 << 22, 50])  # 50: a few points at a time, the chunks' minima compared
+def test_the_insertion_point_counted_at_once_is_the_one_counted_point_by_point(monkeypatch, rows_entries) -> None:  # noqa: ANN001
+    """``_FreeOrder.fewest_mismatches`` (numpy, every point at once) against ``min`` over ``mismatches``, point by
+    point, on random free orders: the same first point with the fewest kept allocations freed elsewhere."""
+    import random
+
+    import lit_memopt.memory.stitch as stitch
+    from lit_memopt.memory.stitch import _FreeOrder
+
+    monkeypatch.setattr(stitch, "POINT_ROWS_ENTRIES", rows_entries)
+
+    rng = random.Random(3)
+    for _ in range(200):
+        kept, extra = rng.randint(1, 60), rng.randint(1, 12)
+        order = _FreeOrder.__new__(_FreeOrder)
+        order.low = [None if rng.random() < 0.3 else rng.randint(0, kept) for _ in range(kept)]
+        order.high = [None if rng.random() < 0.3 else rng.randint(0, kept + extra) for _ in range(kept + extra)]
+        lo = rng.randint(0, kept)
+        points = range(lo, rng.randint(lo + 1, kept + 1) + 1) if lo < kept else range(lo, lo + 1)
+        expected = min(points, key=lambda p: order.mismatches(p, extra))
+        assert order.fewest_mismatches(points, extra) == expected

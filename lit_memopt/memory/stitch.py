@@ -298,6 +298,10 @@ def stitch_log(low: PhasedLog, high: PhasedLog, copies: int) -> PhasedLog | None
     return BlockStitch(low, high).log(copies)
 
 
+# How many entries the [points, kept allocations] array of ``_FreeOrder.fewest_mismatches`` holds at a time.
+POINT_ROWS_ENTRIES = 1 << 22
+
+
 class _FreeOrder:
     """Where a run inserted into a segment may go at several points (the allocations around it repeat: a block's last
     sizes are those the next one starts with), each point pairs the allocations kept from ``low`` with other ones of
@@ -320,6 +324,28 @@ class _FreeOrder:
                 got -= min(max(got - at, 0), extra)  # the inserted allocations made before the free do not count
             count += got != want
         return count
+
+    def fewest_mismatches(self, points: range, extra: int) -> int:
+        """The first of ``points`` with the fewest :meth:`mismatches`, counted for all points at once in numpy (a
+        decoding loop's segment has thousands of points and of kept allocations: the loop above, point by point, was a
+        tenth of a long rollout's estimate)."""
+        import numpy as np
+
+        none = -1  # no free within the segment (counts are >= 0)
+        low = np.array([none if w is None else w for w in self.low], dtype=np.int64)
+        high = np.array([none if g is None else g for g in self.high], dtype=np.int64)
+        k = np.arange(len(low), dtype=np.int64)
+        best, best_count = points[0], None
+        step = max(1, POINT_ROWS_ENTRIES // max(len(low), 1))  # points a [points, kept] array holds at a time
+        for start in range(points.start, points.stop, step):
+            ats = np.arange(start, min(start + step, points.stop), dtype=np.int64)[:, None]
+            got = high[np.where(k < ats, k, k + extra)]
+            adjusted = np.where(got == none, none, got - np.clip(got - ats, 0, extra))
+            counts = (adjusted != low).sum(axis=1)
+            i = int(counts.argmin())
+            if best_count is None or counts[i] < best_count:
+                best, best_count = int(ats[i, 0]), int(counts[i])
+        return best
 
 
 def _tokens_before_free(events: list[tuple[int, int | None, int]], tokens: list[int], end: int) -> list[int | None]:
@@ -355,7 +381,7 @@ def _alignment(ta: list[tuple[int, int]], tb: list[tuple[int, int]],
         # copy where to free the one before it (:class:`_Run`). The last put Qwen3-4B SFT's 3-block backward peak (8 x
         # 1024) 40 MiB below its trace, and its 36-block reserved figure 0.4% above a whole trace; the first: equal.
         points = range(max(len(ta) - suffix, 0), min(prefix, len(ta)) + 1)
-        at = min(points, key=lambda p: order.mismatches(p, extra)) if extra and len(points) > 1 else prefix
+        at = order.fewest_mismatches(points, extra) if extra and len(points) > 1 else prefix
         return [("equal", 0, at, 0, at), ("insert", at, at, at, at + extra), ("equal", at, len(ta), at + extra, len(tb))]
     if len(tb) > MAX_ALIGNED_EVENTS:
         return None
