@@ -151,25 +151,25 @@ class CachingAllocatorModel:
             raise ValueError("CachingAllocatorModel.free: block already free")
         self.allocated_bytes -= block.size
         block.free = True
-        entries = self._free[block.small]
         before = block.prev
         if before is not None and before.free:
-            del entries[bisect.bisect_left(entries, (before.size, before.segment, before.offset))]
-            before.size += block.size
-            before.next = block.next
-            if block.next is not None:
-                block.next.prev = before
-            if self._head.get(block.segment) is block:
-                self._head[block.segment] = before
+            self._remove(before)
+            self._absorb(before, block)
             block = before
         after = block.next
         if after is not None and after.free:
-            del entries[bisect.bisect_left(entries, (after.size, after.segment, after.offset))]
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
-        bisect.insort(entries, (block.size, block.segment, block.offset, block))
+            self._remove(after)
+            self._absorb(block, after)
+        bisect.insort(self._free[block.small], (block.size, block.segment, block.offset, block))
+
+    def _absorb(self, left: _Block, right: _Block) -> None:
+        """Merge ``right`` into its free neighbour ``left`` (both out of the free lists)."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        if self._head.get(right.segment) is right:
+            self._head[right.segment] = left
 
     def empty_cache(self) -> None:
         """Release every fully free segment (``torch.cuda.empty_cache``)."""
