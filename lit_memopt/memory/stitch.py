@@ -26,6 +26,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = ["PhasedLog", "BlockStitch", "stitch_log", "phase_peaks", "MAX_ALIGNED_EVENTS"]
 
 # The most allocations of one segment that a general alignment (``difflib``) is run on (quadratic in the worst case):
@@ -329,8 +331,6 @@ class _FreeOrder:
         """The first of ``points`` with the fewest :meth:`mismatches`, counted for all points at once in numpy (a
         decoding loop's segment has thousands of points and of kept allocations: the loop above, point by point, was a
         tenth of a long rollout's estimate)."""
-        import numpy as np
-
         none = -1  # no free within the segment (counts are >= 0)
         low = np.array([none if w is None else w for w in self.low], dtype=np.int64)
         high = np.array([none if g is None else g for g in self.high], dtype=np.int64)
