@@ -16,6 +16,7 @@ from typing import Any
 
 from benchmarks._peer_measure import paired_ratio
 from benchmarks._peer_methods import FAKE_MEMORY_SHAPE, LIT_FAST, LIT_FUSED_GRPO_FAST, LIT_METHODS, NAIVE
+from lit_memopt.memory.units import format_bytes
 
 VS_FASTEST_PEER = 1.0
 MEMORY_VS_LOGITS_HOLDING = 0.1
@@ -28,10 +29,6 @@ AGAINST_PEERS = {"cross_entropy": ("SFT loss", LIT_FAST), "grpo": ("GRPO loss", 
                  "frozen_logprobs": ("frozen-head log-probs", LIT_FAST)}
 AGAINST_FLOOR = {"logprobs": ("trainable-head log-probs", LIT_FAST)}
 SHAPE = FAKE_MEMORY_SHAPE  # N=8192, H=2560, V=151936
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _vs_peers(case: dict[str, Any], label: str, method: str) -> dict[str, Any]:
@@ -52,7 +49,7 @@ def _vs_peers(case: dict[str, Any], label: str, method: str) -> dict[str, Any]:
         met = None
     else:
         share = ours["extra_bytes"] / max(held["extra_bytes"], 1)
-        detail += f"; extra memory {_gib(ours['extra_bytes'])}, {share:.3f}x {held['method']}'s {_gib(held['extra_bytes'])}"
+        detail += f"; extra memory {format_bytes(ours['extra_bytes'])}, {share:.3f}x {held['method']}'s {format_bytes(held['extra_bytes'])}"
         met = met and share <= MEMORY_VS_LOGITS_HOLDING
     return {"target": target, "met": met, "ratio": ratio, "detail": detail}
 
@@ -77,7 +74,7 @@ def _memory_vs_naive(case: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         out.append({"target": f"bf16 {case['op']} {method}: extra memory <= {MEMORY_VS_NAIVE:.0%} of naive",
                     "met": ours / naive <= MEMORY_VS_NAIVE, "ratio": ours / naive,
-                    "detail": f"{ours / naive:.2%} ({_gib(ours)} against {_gib(naive)})"})
+                    "detail": f"{ours / naive:.2%} ({format_bytes(ours)} against {format_bytes(naive)})"})
     return out
 
 

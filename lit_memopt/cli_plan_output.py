@@ -136,10 +136,10 @@ def render_plan(result: PlanResult, cfg: Any, argv: Sequence[str], out: Any = No
                   f"{_source(q)}).", file=out)
         for note in dict.fromkeys(result.notes):
             print(f"Note: {note}.", file=out)
-        best = result.plans[0].candidate
+        best_plan = result.plans[0]
+        best = best_plan.candidate
         if best.strategy == "fsdp2" and not best.offload and not result.device.name.startswith("CPU"):
-            command = _shell("estimate", rank_estimate_args(argv, plan_overrides(cfg, result, result.plans[0])))
-            best_plan = result.plans[0]
+            command = _shell("estimate", rank_estimate_args(argv, plan_overrides(cfg, result, best_plan)))
             if best_plan.rank_traced:
                 print(f"Plan 1's per-rank figure is one rank traced with its own allocator, as {command} prints it.",
                       file=out)

@@ -116,8 +116,8 @@ class CachingAllocatorModel:
         del entries[i]
 
     # ------------------------------------------------------------------ public
-    # malloc and free run once per event of a logged step (millions for a long rollout), so their free-list updates
-    # are written out in them rather than called.
+    # malloc and free run once per event of a logged step (millions for a long rollout), so their free-list searches
+    # and insertions are written out in them rather than called (a merge, rarer, goes through _remove and _absorb).
     def malloc(self, nbytes: int) -> _Block:
         """Allocate ``nbytes``; returns the block (pass it to :meth:`free`)."""
         size = round_size(int(nbytes))
